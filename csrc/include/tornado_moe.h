@@ -1,0 +1,184 @@
+/*
+ * tornado_moe.h - the one C ABI of the tornado-moe kernel set.
+ *
+ * Every kernel is a plain C function taking raw pointers, sizes and a stream handle. The torch ops
+ * (csrc/torch) and the JNI natives (csrc/jni) only marshal their arguments into these functions.
+ *
+ * Conventions (apply to every function below):
+ *  - `device` is TM_DEVICE_CPU (host pointers, synchronous, `stream` ignored) or TM_DEVICE_CUDA (device
+ *    pointers, asynchronous on `stream`, a cudaStream_t; 0 means the legacy default stream).
+ *  - Activations, norms weights, biases, KV cache, logits: float32, row-major, contiguous.
+ *  - Quantized weights are GGUF tensors exactly as stored in the file (raw bytes, row-major, each row a whole
+ *    number of blocks). `qtype` is the GGML type id (tm_qtype). A matrix "W [rows, cols]" has `rows` rows of
+ *    `cols` values (numpy order of the GGUF tensor); expert stacks "W [E, rows, cols]" are E such matrices
+ *    back to back.
+ *  - Integer sizes are int64_t; token ids, expert ids and positions are int32_t.
+ *  - Return value: TM_OK (0) or a negative tm_status; tm_last_error() then holds a message (thread-local).
+ *  - Determinism: no floating-point atomics; every reduction has a fixed order that does not depend on
+ *    scheduling, on the launch configuration chosen for a size, or on CUDA-graph capture. Elementwise
+ *    accumulations `acc = acc + w * v` are evaluated as a rounded multiply then a rounded add (no FMA
+ *    contraction), in the order documented below.
+ *  - Launch limits (CUDA): grid y/z never exceed 65535 and dynamic shared memory never exceeds the device's
+ *    opt-in limit (read from the device); large problems are split into several launches or loops.
+ *  - Positions: kernels that depend on the position read it from `pos` (device memory for CUDA), so that a
+ *    captured CUDA graph can be replayed for every token after a device-side update. Token t of a call is at
+ *    position pos[0] + t.
+ */
+#ifndef TORNADO_MOE_H
+#define TORNADO_MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define TM_API __declspec(dllexport)
+#else
+#define TM_API __attribute__((visibility("default")))
+#endif
+
+typedef enum tm_device { TM_DEVICE_CPU = 0, TM_DEVICE_CUDA = 1 } tm_device;
+
+/* GGML type ids of the supported weight formats. */
+typedef enum tm_qtype {
+  TM_F32 = 0,   /* 4-byte floats */
+  TM_F16 = 1,   /* IEEE half */
+  TM_Q4_0 = 2,  /* 32 values: fp16 d, 16 bytes of nibbles (low nibbles = values 0..15, high = 16..31); v = (q-8)*d */
+  TM_Q4_1 = 3,  /* 32 values: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; v = q*d + m */
+  TM_Q8_0 = 8,  /* 32 values: fp16 d, 32 int8; v = q*d */
+  TM_BF16 = 30  /* bfloat16 */
+} tm_qtype;
+
+typedef enum tm_status {
+  TM_OK = 0,
+  TM_ERR_INVALID_ARGUMENT = -1, /* null pointer, bad size, unknown enum value */
+  TM_ERR_UNSUPPORTED_QTYPE = -2,/* weight format without a kernel */
+  TM_ERR_NO_CUDA = -3,          /* library built without CUDA, or no CUDA device */
+  TM_ERR_CUDA = -4,             /* a CUDA call or launch failed */
+  TM_ERR_UNKNOWN_KERNEL = -5    /* tm_invoke with an unknown kernel index */
+} tm_status;
+
+/* ---- library and device ------------------------------------------------------------------------------ */
+TM_API const char* tm_last_error(void);
+TM_API const char* tm_version(void);
+/* 1 when the library was compiled with the CUDA kernels, else 0. */
+TM_API int tm_cuda_compiled(void);
+/* Number of visible CUDA devices (0 without CUDA). Never fails. */
+TM_API int tm_cuda_device_count(void);
+/* Properties of the current CUDA device, read from the device (never hard-coded). */
+typedef struct tm_device_props {
+  int sm_count;
+  int max_grid_y;              /* 65535 on every current GPU */
+  int max_grid_z;
+  int64_t smem_per_block_optin;/* bytes of shared memory a block may opt in to */
+  int64_t l2_bytes;
+  char name[256];
+} tm_device_props;
+TM_API int tm_cuda_device_props(tm_device_props* out);
+/* Test hook: cap the opt-in shared memory and grid y/z limits the CUDA launchers plan with (0 = device value),
+ * so that tests can force the chunked/looped launch paths on small problems. */
+TM_API int tm_set_launch_limits_for_testing(int64_t smem_per_block, int max_grid_yz);
+/* Whole-stream CUDA graphs for callers without their own graph API (the Java route). */
+TM_API int tm_cuda_graph_begin_capture(void* stream);
+TM_API int tm_cuda_graph_end_capture(void* stream, void** graph_exec_out);
+TM_API int tm_cuda_graph_launch(void* graph_exec, void* stream);
+TM_API int tm_cuda_graph_destroy(void* graph_exec);
+TM_API int tm_stream_synchronize(tm_device device, void* stream);
+
+/* ---- kernels ------------------------------------------------------------------------------------------ */
+
+/* out[t, :] = dequant(table[ids[t], :]); table [vocab, dim] of qtype. */
+TM_API int tm_embedding(tm_device device, int qtype, const void* table, const int32_t* ids, float* out,
+                        int64_t n_tokens, int64_t vocab, int64_t dim, void* stream);
+
+/* y[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * w. The sum of squares is accumulated in float32 in a
+ * fixed tree. x and y may alias. */
+TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim,
+                      float eps, void* stream);
+
+/* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (+ bias[r] if bias) ; if accumulate:
+ * y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias nullable (float32 [rows]). */
+TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, void* stream);
+
+/* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
+ * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.
+ * neox = 1: pairs (i, i + head_dim/2) (GPT-NeoX / qwen2moe); neox = 0: pairs (2i, 2i+1) (GGUF llama).
+ * theta_i = pos * freq_base^(-2i/head_dim). Fails if pos[0] + T > max_ctx (CPU checks; CUDA skips the write). */
+TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
+                             float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t n_heads,
+                             int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
+                             void* stream);
+
+/* Causal attention over the cache (grouped-query: head h reads kv head h / (n_heads / n_kv_heads)).
+ * out[t, h, :] = sum_j softmax_j(q[t,h,:] . k_cache[j,kvh,:] / sqrt(head_dim)) v_cache[j, kvh, :],
+ * j = 0 .. pos[0] + t. q, out [T, n_heads, head_dim]. */
+TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
+                        const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
+                        int64_t head_dim, int64_t max_ctx, void* stream);
+
+/* Router: logits[e] = dot(w_router[e, :], h[t, :]) (w_router float32 [E, hidden]); p = softmax over all E
+ * (float32, max-subtracted); top_k largest p, ties to the lowest expert id, in descending order of p.
+ * ids [T, top_k] int32, weights [T, top_k] float32 = p of the selected experts, divided by their sum when
+ * normalize != 0 (Mixtral / norm_topk_prob) and kept as is otherwise (qwen2moe). */
+TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,
+                          int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                          void* stream);
+
+/* Routed experts, gate-up + SwiGLU, for the slots [slot_begin, slot_begin + slot_count) of every token:
+ * e = ids[t, s]; act[t, s, :] = silu(W_gate[e] h[t]) * (W_up[e] h[t]), silu(g) = g / (1 + exp(-g)).
+ * w_gate, w_up [n_experts, ffn, hidden] of qtype; h [T, hidden]; ids [T, top_k]; act [T, top_k, ffn].
+ * The fused task calls it once with (0, top_k); the per-slot tasks once per slot with (s, 1): the result for a
+ * given (t, s) is bitwise the same either way. ids == NULL means expert 0 for every slot (a dense FFN or a
+ * shared expert is this function with n_experts = 1, top_k = 1). */
+TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
+                          const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);
+
+/* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
+ * order, one running float32 accumulator per output row seeded from x and written once:
+ *   acc = x[t, r]; for s: acc = acc + weights[t, s] * dot(W_down[ids[t, s]][r, :], act[t, s, :]); x[t, r] = acc
+ * w_down [n_experts, hidden, ffn] of qtype. Calling it once with (0, top_k) or top_k times with (s, 1) gives
+ * bitwise identical x. weights == NULL means weight 1. gate_inp (nullable, float32 [hidden]) scales every slot's
+ * product by sigmoid(dot(gate_inp, h[t, :])) before the add (the qwen2moe shared-expert gate); h is read only
+ * then (nullable otherwise). */
+TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,
+                                  const int32_t* ids, const float* weights, const float* gate_inp, const float* h,
+                                  float* x, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
+                                  int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
+
+/* Greedy: out[t] = argmax_v logits[t, v], ties to the lowest id; NaN never wins. */
+TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
+                     void* stream);
+
+/* Sampling for one row of logits [vocab]: p = softmax(logits / temperature); keep the top_k most probable
+ * (top_k <= 0: all; ties to the lower id), then the smallest prefix of those, in descending p (ties: lower id
+ * first), whose mass reaches top_p (top_p >= 1: all); draw u in [0, 1) from a counter-based generator of
+ * (seed, step[0]) and return the first kept token, in that order, at which the cumulative kept mass exceeds
+ * u * kept mass. Deterministic for a given (logits, seed, step). out[0] = token id. step is read from memory
+ * (device memory for CUDA) so a captured graph samples anew every replay. */
+TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_t vocab, float temperature,
+                     float top_p, int64_t top_k, uint64_t seed, const int32_t* step, void* stream);
+
+/* Device-side step update for captured graphs: pos[0] += delta. */
+TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, void* stream);
+
+/* ---- generic invocation (the Java route) ------------------------------------------------------------- */
+/* Every kernel above is also reachable by index with its arguments packed as 64-bit words (pointers as
+ * addresses, integers sign-extended, floats as the bits of a float32 in the low word). The signature string
+ * has one letter per argument after `device` and before `stream`:
+ *   'q' qtype (int), 'p' pointer (non-null), 'n' nullable pointer, 'i' int64, 'b' int flag, 'f' float32,
+ *   'u' uint64. */
+TM_API int tm_kernel_count(void);
+TM_API const char* tm_kernel_name(int index);
+TM_API const char* tm_kernel_signature(int index);
+TM_API int tm_kernel_index(const char* name); /* -1 if unknown */
+TM_API int tm_invoke(int index, tm_device device, const uint64_t* args, int n_args, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TORNADO_MOE_H */

@@ -1,0 +1,1 @@
+"""The ``tornado-moe`` command line."""

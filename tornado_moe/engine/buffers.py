@@ -1,0 +1,98 @@
+"""Device-resident weights, activations and KV cache of one model instance.
+
+Everything a task graph references lives here at a fixed address for the engine's lifetime, which is what
+lets a captured CUDA graph be replayed for every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tornado_moe.model.config import ModelConfig
+from tornado_moe.model.gguf_model import GGUFModel, QTensor
+
+
+@dataclass(frozen=True)
+class DeviceWeight:
+    """A weight as stored in the GGUF file (raw bytes) on the device, with its format and shape."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, ...]
+    data: torch.Tensor  # uint8 raw blocks, or float32 for F32 vectors used directly by kernels
+
+
+def upload(t: QTensor, device: torch.device) -> DeviceWeight:
+    raw = np.ascontiguousarray(t.data).reshape(-1)
+    tensor = torch.from_numpy(raw.copy()).to(device)
+    return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), tensor)
+
+
+def upload_f32(t: QTensor, device: torch.device) -> torch.Tensor:
+    """F32 vectors/matrices that kernels take as float pointers (norms, biases, router)."""
+    if int(t.qtype) != 0:
+        raise ValueError(f"{t.name}: expected F32, found quant type {t.qtype!r}")
+    arr = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.float32).reshape(t.shape)
+    return torch.from_numpy(arr.copy()).to(device)
+
+
+class Activations:
+    """Scratch buffers for up to ``max_tokens`` tokens per step, plus the KV cache."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, max_tokens: int, max_context: int) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        T = max_tokens
+        self.max_tokens = T
+        self.max_context = max_context
+        self.x = torch.zeros(T, cfg.hidden, **f32)
+        self.h = torch.zeros(T, cfg.hidden, **f32)
+        self.q = torch.zeros(T, cfg.n_heads * cfg.head_dim, **f32)
+        self.k = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
+        self.v = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
+        self.attn = torch.zeros(T, cfg.n_heads * cfg.head_dim, **f32)
+        k = max(cfg.top_k, 1)
+        self.expert_ids = torch.zeros(T, k, **i32)
+        self.expert_weights = torch.zeros(T, k, **f32)
+        self.act = torch.zeros(T, k, max(cfg.expert_ffn, 1), **f32)
+        ffn_dense = cfg.shared_ffn or cfg.dense_ffn
+        self.act_dense = torch.zeros(T, max(ffn_dense, 1), **f32)
+        self.logits = torch.zeros(T, cfg.vocab, **f32)
+        self.tokens = torch.zeros(T, **i32)
+        self.position = torch.zeros(1, **i32)
+        kv = (max_context, cfg.n_kv_heads * cfg.head_dim)
+        self.k_cache = [torch.zeros(kv, **f32) for _ in range(cfg.n_layers)]
+        self.v_cache = [torch.zeros(kv, **f32) for _ in range(cfg.n_layers)]
+
+
+class DeviceModel:
+    """All weights of a GGUF model uploaded once, grouped per layer with the loader's short names."""
+
+    def __init__(self, model: GGUFModel, device: torch.device, progress: bool = False) -> None:
+        from tqdm import tqdm
+
+        self.config = model.config
+        self.device = device
+        f32_names = {
+            "attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias",
+            "ffn_gate_inp", "ffn_gate_inp_shexp",
+        }
+        self.layers: list[dict[str, DeviceWeight | torch.Tensor | None]] = []
+        it = range(self.config.n_layers)
+        for i in tqdm(it, desc="upload weights", unit="layer", disable=not progress):
+            layer: dict[str, DeviceWeight | torch.Tensor | None] = {}
+            for key, t in model.layer(i).items():
+                if t is None:
+                    layer[key] = None
+                elif key in f32_names:
+                    layer[key] = upload_f32(t, device)
+                else:
+                    layer[key] = upload(t, device)
+            self.layers.append(layer)
+        self.token_embd = upload(model.tensor("token_embd.weight"), device)
+        self.output_norm = upload_f32(model.tensor("output_norm.weight"), device)
+        out = model.get("output.weight")
+        self.output = upload(out, device) if out is not None else self.token_embd

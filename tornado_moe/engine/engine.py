@@ -1,0 +1,175 @@
+"""The decode engine: weights on a device, one execution plan per step, KV cache, generation loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tornado_moe.engine.buffers import Activations, DeviceModel
+from tornado_moe.engine.layer_graphs import SamplerConfig, embedding_graph, layer_graph, logits_graph
+from tornado_moe.errors import DeviceError, InputError
+from tornado_moe.graph.plan import ExecutionPlan
+from tornado_moe.graph.task_graph import ImmutableTaskGraph
+from tornado_moe.model.gguf_model import GGUFModel
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present; asking for CUDA without a GPU is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda: no CUDA GPU is visible to torch on this machine")
+        from tornado_moe.native import load_torch_ops
+
+        load_torch_ops()
+        if not torch.ops.tornado_moe.cuda_compiled():
+            raise DeviceError("--device cuda: the kernel library was built without CUDA (nvcc not found)")
+    elif name != "cpu":
+        raise DeviceError(f"unknown device {name!r} (choose auto, cpu or cuda)")
+    return torch.device(name)
+
+
+@dataclass
+class EngineOptions:
+    device: str = "auto"
+    route: str = "torch"
+    fuse_experts: bool = True
+    cuda_graphs: bool = False
+    profiler: bool = False
+    max_context: int | None = None  # default: min(model context, 4096)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    progress: bool = False
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes out of the prefill step; decode steps make the rest.
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt tokens: {self.prompt_tokens}, generated tokens: {self.generated_tokens}, "
+                f"prefill: {self.prefill_tok_s:.1f} tok/s, decode: {self.decode_tok_s:.1f} tok/s")
+
+
+class Engine:
+    """One model on one device, decoding one sequence token by token through the task graphs.
+
+    A step feeds one token: the embedding graph, one graph per layer and the logits graph run as one
+    execution plan, which writes the next token id and advances the device-side position. With
+    ``cuda_graphs`` the whole step is captured once (after a first eager step) and replayed per token.
+    """
+
+    def __init__(self, model: GGUFModel, options: EngineOptions | None = None) -> None:
+        self.options = opts = options or EngineOptions()
+        self.model = model
+        self.config = cfg = model.config
+        self.device = resolve_device(opts.device)
+        if opts.cuda_graphs and self.device.type != "cuda":
+            raise DeviceError("CUDA graphs need --device cuda")
+        self.max_context = min(opts.max_context or 4096, cfg.context_length)
+        self.weights = DeviceModel(model, self.device, progress=opts.progress)
+        self.act = Activations(cfg, self.device, max_tokens=1, max_context=self.max_context)
+        self.graphs: list[ImmutableTaskGraph] = [embedding_graph(self.weights, self.act, 1)]
+        self.graphs += [layer_graph(self.weights, self.act, i, 1, fuse_experts=opts.fuse_experts)
+                        for i in range(cfg.n_layers)]
+        self.graphs.append(logits_graph(self.weights, self.act, 1, opts.sampler))
+        self.plan = ExecutionPlan(*self.graphs, device=self.device, route=opts.route)
+        if opts.profiler:
+            self.plan.with_profiler()
+        self._graph_enabled = False
+        self.position = 0
+
+    # ---- steps -------------------------------------------------------------------------------------------
+    @property
+    def launches_per_token(self) -> int:
+        return self.plan.launches_per_execution
+
+    def reset(self) -> None:
+        """Start a new sequence (the KV cache rows are simply overwritten)."""
+        self.position = 0
+        self.act.position.zero_()
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.max_context:
+            raise InputError(f"sequence of {self.position + n} tokens exceeds the context of "
+                             f"{self.max_context} tokens (model context {self.config.context_length})")
+
+    def _execute(self) -> None:
+        if self.options.cuda_graphs and not self._graph_enabled and self.position > 0:
+            # Capture only after one eager step, so lazy module loading never happens during capture.
+            self.plan.with_cuda_graph()
+            self._graph_enabled = True
+        self.plan.execute()
+        self.position += 1
+
+    def feed(self, token: int) -> int:
+        """Processes ``token`` at the current position and returns the chosen next token."""
+        self._check_room(1)
+        if not 0 <= token < self.config.vocab:
+            raise InputError(f"token id {token} is outside the vocabulary (0..{self.config.vocab - 1})")
+        self.act.tokens[0] = token
+        self._execute()
+        return int(self.act.tokens[0].item())
+
+    def decode_next(self) -> int:
+        """Feeds back the token the previous step chose (it is already in the device buffer)."""
+        self._check_room(1)
+        self._execute()
+        return int(self.act.tokens[0].item())
+
+    def last_logits(self) -> torch.Tensor:
+        return self.act.logits[0]
+
+    def hidden_state(self) -> torch.Tensor:
+        return self.act.x[0]
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
+        """Greedy or sampled continuation of ``prompt_ids`` (the sampler was fixed at construction)."""
+        if not prompt_ids:
+            raise InputError("the prompt is empty: give at least one token")
+        self._check_room(len(prompt_ids) + max_new_tokens - 1)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        nxt = 0
+        for tok in prompt_ids:
+            nxt = self.feed(tok)
+        sync()
+        stats.prefill_s = time.perf_counter() - t0
+        out: list[int] = []
+        t1 = time.perf_counter()
+        while True:
+            out.append(nxt)
+            if on_logits is not None:
+                on_logits(self.last_logits())
+            if on_token is not None:
+                on_token(nxt)
+            if len(out) >= max_new_tokens or nxt in stop_ids:
+                break
+            nxt = self.decode_next()
+        sync()
+        stats.decode_s = time.perf_counter() - t1
+        stats.generated_tokens = len(out)
+        return out, stats
+
+    def close(self) -> None:
+        self.plan.close()

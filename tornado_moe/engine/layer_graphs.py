@@ -1,0 +1,126 @@
+"""Builds one task graph per transformer layer, plus the embedding and logits graphs.
+
+The routed experts come in two shapes that must give bitwise identical hidden states:
+- fused (default): ``routed_experts_gate_up_swiglu`` (all slots in one launch) and
+  ``routed_experts_down_accumulate`` (slots looped in order inside one launch);
+- per-slot: ``routed_expert_gate_up_<s>`` and ``routed_expert_down_<s>`` for every slot s.
+Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
+(the shared expert, or the dense FFN, first; then the routed slots in slot order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tornado_moe.engine.buffers import Activations, DeviceModel, DeviceWeight
+from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature 0 = greedy (argmax); otherwise seeded sampling with top-k / top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def _w(layer: dict, key: str) -> DeviceWeight:
+    w = layer[key]
+    assert isinstance(w, DeviceWeight), key
+    return w
+
+
+def _same_format(*ws: DeviceWeight) -> int:
+    qtypes = {w.qtype for w in ws}
+    if len(qtypes) != 1:
+        names = ", ".join(f"{w.name}={w.qtype}" for w in ws)
+        raise ValueError(f"gate/up tensors must share one quant type to run in one kernel: {names}")
+    return ws[0].qtype
+
+
+def embedding_graph(dm: DeviceModel, act: Activations, n_tokens: int) -> ImmutableTaskGraph:
+    cfg, e = dm.config, dm.token_embd
+    g = TaskGraph("embedding").transfer_to_device(DataTransferMode.EVERY_EXECUTION, act.tokens)
+    g.task("embedding", "embedding", e.qtype, e.data, act.tokens, act.x, n_tokens, cfg.vocab, cfg.hidden)
+    return g.snapshot()
+
+
+def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fuse_experts: bool = True
+                ) -> ImmutableTaskGraph:
+    cfg, L, T = dm.config, dm.layers[i], n_tokens
+    H, hd = cfg.hidden, cfg.head_dim
+    g = TaskGraph(f"layer{i}")
+    g.task("attn_norm", "rmsnorm", act.x, L["attn_norm"], act.h, T, H, cfg.rms_eps)
+    for name, out, rows in (("q", act.q, cfg.n_heads * hd), ("k", act.k, cfg.n_kv_heads * hd),
+                            ("v", act.v, cfg.n_kv_heads * hd)):
+        w = _w(L, f"attn_{name}")
+        g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, L[f"attn_{name}_bias"], out, T, rows, H, False)
+    g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
+           act.position, T, cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
+    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
+           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context)
+    wo = _w(L, "attn_output")
+    g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
+    g.task("ffn_norm", "rmsnorm", act.x, L["ffn_norm"], act.h, T, H, cfg.rms_eps)
+
+    # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels.
+    if cfg.shared_ffn or cfg.dense_ffn:
+        sfx = "_shexp" if cfg.shared_ffn else ""
+        ffn = cfg.shared_ffn or cfg.dense_ffn
+        wg, wu, wd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
+        label = "shared_expert" if cfg.shared_ffn else "ffn"
+        g.task(f"{label}_gate_up", "moe_gate_up", _same_format(wg, wu), wg.data, wu.data, act.h, None,
+               act.act_dense, T, 1, 0, 1, 1, ffn, H)
+        g.task(f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
+               L.get("ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, ffn)
+
+    if cfg.n_experts:
+        E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
+        g.task("router_topk", "router_topk", L["ffn_gate_inp"], act.h, act.expert_ids, act.expert_weights,
+               T, E, H, k, cfg.normalize_topk)
+        wg, wu, wd = _w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"), _w(L, "ffn_down_exps")
+        qt = _same_format(wg, wu)
+
+        def gate_up(name: str, s0: int, n: int) -> None:
+            g.task(name, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k, s0, n,
+                   E, ffn, H)
+
+        def down(name: str, s0: int, n: int) -> None:
+            g.task(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, act.expert_ids,
+                   act.expert_weights, None, None, act.x, T, k, s0, n, E, H, ffn)
+
+        if fuse_experts:
+            gate_up("routed_experts_gate_up_swiglu", 0, k)
+            down("routed_experts_down_accumulate", 0, k)
+        else:
+            for s in range(k):
+                gate_up(f"routed_expert_gate_up_{s}", s, 1)
+                down(f"routed_expert_down_{s}", s, 1)
+    return g.snapshot()
+
+
+def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: SamplerConfig
+                 ) -> ImmutableTaskGraph:
+    """Final norm and logits for the LAST token of the step, next-token choice, position advance."""
+    cfg, T, out = dm.config, n_tokens, dm.output
+    last_x = act.x[T - 1:T]
+    last_h = act.h[T - 1:T]
+    logits = act.logits[:1]
+    g = TaskGraph("logits")
+    g.task("output_norm", "rmsnorm", last_x, dm.output_norm, last_h, 1, cfg.hidden, cfg.rms_eps)
+    g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False)
+    next_token = act.tokens[:1]
+    if sampler.greedy:
+        g.task("argmax", "argmax", logits, next_token, 1, cfg.vocab)
+    else:
+        g.task("sample", "sample", logits, next_token, cfg.vocab, sampler.temperature, sampler.top_p,
+               sampler.top_k, sampler.seed, act.position)
+    g.task("advance_position", "advance_position", act.position, T)
+    g.transfer_to_host(DataTransferMode.EVERY_EXECUTION, next_token)
+    return g.snapshot()

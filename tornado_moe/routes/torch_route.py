@@ -1,0 +1,114 @@
+"""The torch route: every task is a call of its ``torch.ops.tornado_moe`` op."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tornado_moe.graph.profiler import TaskProfile
+from tornado_moe.graph.task_graph import ImmutableTaskGraph
+
+
+class TorchRoute:
+    name = "torch"
+
+    def compile(self, graphs: Sequence[ImmutableTaskGraph], device: torch.device) -> TorchProgram:
+        return TorchProgram(graphs, device)
+
+
+class TorchProgram:
+    """Pre-resolved op calls, so that an eager step costs one Python call per launch and nothing more."""
+
+    def __init__(self, graphs: Sequence[ImmutableTaskGraph], device: torch.device) -> None:
+        from tornado_moe.native import load_torch_ops
+
+        load_torch_ops()
+        self.graphs = list(graphs)
+        self.device = device
+        ops = torch.ops.tornado_moe
+        self._calls: list[list[tuple[Callable[..., None], tuple]]] = [
+            [(getattr(ops, t.kernel), t.args) for t in g.tasks] for g in self.graphs
+        ]
+        self._rows = [TaskProfile(g.name, t.name, t.kernel) for g in self.graphs for t in g.tasks]
+        self._profile = False
+        self._use_graph = False
+        self._cuda_graph: torch.cuda.CUDAGraph | None = None
+        self._replays = 0
+        self._replay_ns = 0
+
+    def enable_cuda_graph(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the CUDA device")
+        self._use_graph = True
+
+    def enable_profiler(self) -> None:
+        self._profile = True
+
+    def _launch_eager(self, stream: int) -> None:
+        for calls in self._calls:
+            for fn, args in calls:
+                fn(*args, stream)
+
+    def launch_all(self, stream: int) -> None:
+        if self._use_graph:
+            if self._cuda_graph is None:
+                self._capture()
+            self._replay()
+        elif self._profile:
+            i = 0
+            for gi, calls in enumerate(self._calls):
+                for ti in range(len(calls)):
+                    self._timed(i, gi, ti, stream)
+                    i += 1
+        else:
+            self._launch_eager(stream)
+
+    def launch_task(self, graph_index: int, task_index: int, stream: int) -> None:
+        fn, args = self._calls[graph_index][task_index]
+        fn(*args, stream)
+
+    def _timed(self, row: int, gi: int, ti: int, stream: int) -> None:
+        r = self._rows[row]
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.launch_task(gi, ti, stream)
+            end.record()
+            end.synchronize()
+            r.time_ns += int(start.elapsed_time(end) * 1e6)
+        else:
+            t0 = time.perf_counter_ns()
+            self.launch_task(gi, ti, stream)
+            r.time_ns += time.perf_counter_ns() - t0
+        r.launches += 1
+
+    def _capture(self) -> None:
+        # No warm-up run here: a step has side effects (KV append, position advance). Callers execute the
+        # plan eagerly at least once before enabling graphs, so every kernel module is already loaded.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._launch_eager(torch.cuda.current_stream(self.device).cuda_stream)
+        self._cuda_graph = graph
+
+    def _replay(self) -> None:
+        assert self._cuda_graph is not None
+        if self._profile:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._cuda_graph.replay()
+            end.record()
+            end.synchronize()
+            self._replay_ns += int(start.elapsed_time(end) * 1e6)
+            for r in self._rows:
+                r.launches += 1
+        else:
+            self._cuda_graph.replay()
+        self._replays += 1
+
+    def profiler_rows(self) -> tuple[list[TaskProfile], int, int]:
+        return self._rows, self._replays, self._replay_ns
+
+    def close(self) -> None:
+        self._cuda_graph = None
