@@ -1,0 +1,26 @@
+"""Shared fixtures: devices to test on and small real GGUF models written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if GPU else [])
+
+
+def device_params() -> list:
+    """``cpu`` always; ``cuda`` (marked gpu) when a GPU is visible."""
+    return [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)] if GPU else ["cpu"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synth 'tiny' preset (qwen2moe, random weights, token ids only)."""
+    from tornado_moe.synth.random_model import PRESETS, write_random_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_random_model(path, PRESETS["tiny"], seed=1, progress=False)
+    return path

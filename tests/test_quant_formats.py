@@ -1,0 +1,181 @@
+"""tornado_moe.quant.formats against gguf.quants (bit for bit) and against hand-built blocks.
+
+What "bit for bit" compares: the float32 results viewed as uint32, i.e. every bit including the sign of zero
+and NaN payloads. Block types are checked on random code bytes with fp16 scales drawn from every finite
+fp16 bit pattern (negative, zero, subnormal, max) and separately with inf/NaN scales; F16 and BF16 over all
+65,536 bit patterns (NaNs included); F32 over random bit patterns.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from tornado_moe.errors import UnsupportedModelError
+from tornado_moe.quant.formats import (
+    QuantType,
+    block_size,
+    dequantize,
+    quant_type_of,
+    quantize,
+    row_bytes,
+    type_size,
+)
+
+BLOCK_TYPES = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1]
+ALL_TYPES = list(QuantType)
+
+
+def _gguf_deq(raw: np.ndarray, qt: QuantType) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qt))), dtype=np.float32)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.dtype == b.dtype == np.float32
+        and a.shape == b.shape
+        and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    )
+
+
+_SPECIAL_F16 = np.array(
+    [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00], dtype=np.uint16
+)
+
+
+def _random_blocks(qt: QuantType, n_blocks: int, rng: np.random.Generator, finite: bool) -> np.ndarray:
+    """Random blocks whose fp16 fields are random bit patterns: all finite, or half of them inf/NaN.
+
+    The first blocks get special finite scales (+-0, smallest subnormals, largest subnormal, +-max, +-1).
+    """
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size(qt)), dtype=np.uint8)
+    n_f16 = 2 if qt == QuantType.Q4_1 else 1
+    for j in range(n_f16):
+        bits = rng.integers(0, 1 << 16, size=n_blocks, dtype=np.uint32).astype(np.uint16)
+        bits = np.where((bits & 0x7C00) == 0x7C00, bits & ~np.uint16(0x4000), bits)  # clear one exponent bit
+        bits[: len(_SPECIAL_F16)] = _SPECIAL_F16
+        if not finite:  # exponent all ones in every other block: +-inf or NaN with a random payload
+            bits[1::2] |= np.uint16(0x7C00)
+            bits[1:8:2] &= np.uint16(0xFC00)  # a few exact infinities
+        blocks[:, 2 * j : 2 * j + 2] = bits.astype("<u2").view(np.uint8).reshape(n_blocks, 2)
+    return blocks
+
+
+def test_sizes() -> None:
+    assert [block_size(t) for t in ALL_TYPES] == [1, 1, 32, 32, 32, 1]
+    assert [type_size(t) for t in ALL_TYPES] == [4, 2, 18, 20, 34, 2]
+    for t in ALL_TYPES:  # agrees with gguf's table
+        assert (block_size(t), type_size(t)) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))]
+    assert row_bytes(QuantType.Q8_0, 2048) == 64 * 34
+    assert row_bytes(QuantType.F16, 7) == 14
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        row_bytes(QuantType.Q4_0, 48)
+    assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 8, 30]  # GGML type ids
+
+
+def test_quant_type_of() -> None:
+    assert quant_type_of(8, where="x") is QuantType.Q8_0
+    with pytest.raises(UnsupportedModelError, match=r"m\.gguf: blk\.0\.attn_q\.weight.*Q5_K"):
+        quant_type_of(int(gguf.GGMLQuantizationType.Q5_K), where="m.gguf: blk.0.attn_q.weight")
+    with pytest.raises(UnsupportedModelError, match="unknown"):
+        quant_type_of(250, where="t")
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_dequantize_bitwise_equals_gguf(qt: QuantType) -> None:
+    rng = np.random.default_rng(int(qt))
+    rows, blocks_per_row = 64, 8
+    for finite in (False, True):
+        blocks = _random_blocks(qt, rows * blocks_per_row, rng, finite)
+        raw = blocks.reshape(rows, blocks_per_row * type_size(qt))
+        with np.errstate(invalid="ignore"):  # inf * 0 -> NaN is part of what is compared
+            mine = dequantize(raw, qt, (rows, blocks_per_row * 32))
+            ref = _gguf_deq(raw, qt)
+        assert _same_bits(mine, ref)
+        if not finite:
+            assert np.isnan(mine).any() and np.isinf(mine).any() and np.isfinite(mine).any()
+    # The scale values we drew do cover negative, zero and subnormal fp16 numbers.
+    d = np.ascontiguousarray(blocks[:, :2]).view("<f2").ravel()
+    assert (d < 0).any() and (d == 0).any() and ((np.abs(d) < 6.1e-5) & (d != 0)).any()
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_dequantize_accepts_flat_and_3d(qt: QuantType) -> None:
+    rng = np.random.default_rng(5)
+    shape = (3, 4, 64)  # e.g. [E, I, H]
+    raw = _random_blocks(qt, 3 * 4 * 2, rng, True).reshape(12, row_bytes(qt, 64))
+    a = dequantize(raw, qt, shape)
+    b = dequantize(raw.reshape(-1), qt, shape)
+    assert a.shape == shape and _same_bits(a, b)
+    assert _same_bits(a.reshape(12, 64), _gguf_deq(raw, qt))
+    with pytest.raises(ValueError, match="needs"):
+        dequantize(raw[:-1], qt, shape)
+
+
+def test_hand_built_blocks() -> None:
+    """The layouts as documented, independently of gguf: nibble order, offsets, scale and minimum."""
+    codes = np.arange(32, dtype=np.uint8) % 16  # value j has code j % 16
+    packed = codes[:16] | (codes[16:] << 4)  # byte j: low nibble = value j, high nibble = value j + 16
+    d = np.array([0.5], dtype="<f2").view(np.uint8)
+    m = np.array([-3.0], dtype="<f2").view(np.uint8)
+
+    q40 = np.concatenate([d, packed])
+    np.testing.assert_array_equal(
+        dequantize(q40, QuantType.Q4_0, (32,)), (codes.astype(np.float32) - 8) * 0.5
+    )
+    q41 = np.concatenate([d, m, packed])
+    np.testing.assert_array_equal(dequantize(q41, QuantType.Q4_1, (32,)), codes * 0.5 - 3.0)
+    q8 = np.concatenate([d, (np.arange(32) - 16).astype(np.int8).view(np.uint8)])
+    np.testing.assert_array_equal(dequantize(q8, QuantType.Q8_0, (32,)), (np.arange(32) - 16) * 0.5)
+
+
+def test_f16_bf16_all_bit_patterns() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype("<u2")
+    raw = bits.view(np.uint8)
+    for qt in (QuantType.F16, QuantType.BF16):
+        mine = dequantize(raw, qt, (1 << 16,))
+        assert _same_bits(mine, _gguf_deq(raw.reshape(1, -1), qt).reshape(-1))
+    # BF16 is exactly the top half of float32: every pattern, NaN payloads included.
+    bf = dequantize(raw, QuantType.BF16, (1 << 16,))
+    np.testing.assert_array_equal(bf.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+def test_f32_bit_patterns() -> None:
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 1 << 32, size=(16, 64), dtype=np.uint64).astype("<u4")
+    mine = dequantize(bits.view(np.uint8), QuantType.F32, (16, 64))
+    np.testing.assert_array_equal(mine.view(np.uint32), bits)
+
+
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda t: t.name)
+def test_quantize_matches_gguf_and_round_trips(qt: QuantType) -> None:
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((8, 128)) * rng.uniform(0.01, 3, size=(8, 1))).astype(np.float32)
+    raw = quantize(x, qt)
+    assert raw.dtype == np.uint8 and raw.shape == (8, row_bytes(qt, 128)) and raw.flags.c_contiguous
+    if qt in BLOCK_TYPES or qt == QuantType.BF16:
+        ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qt)))
+        np.testing.assert_array_equal(raw, ref)
+    elif qt == QuantType.F16:
+        np.testing.assert_array_equal(raw.view("<f2"), x.astype(np.float16))
+    else:
+        np.testing.assert_array_equal(raw.view("<f4"), x)
+    back = dequantize(raw, qt, x.shape)
+    # error bounds per format (relative to the block's largest magnitude)
+    amax = np.abs(x.reshape(8, -1, block_size(qt) if qt in BLOCK_TYPES else 1)).max(axis=-1, keepdims=True)
+    err = np.abs(back - x).reshape(amax.shape[:-1] + (-1,))
+    bound = {
+        QuantType.F32: 0.0,
+        QuantType.F16: 2**-11,
+        QuantType.BF16: 2**-8,
+        QuantType.Q8_0: 0.5 / 127 + 1e-3,
+        QuantType.Q4_0: 1 / 8 + 1e-3,
+        QuantType.Q4_1: 2 / 15 + 1e-3,
+    }[qt]
+    assert (err <= bound * amax + 1e-30).all()
+
+
+def test_quantize_rejects_ragged_rows() -> None:
+    with pytest.raises(ValueError, match="block size"):
+        quantize(np.zeros((2, 40), np.float32), QuantType.Q8_0)
