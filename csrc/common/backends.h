@@ -46,7 +46,7 @@ int tm_set_error(int status, const char* fmt, ...);
 TM_BACKEND_KERNELS(tm_cpu_)
 TM_BACKEND_KERNELS(tm_cuda_)
 
-/* CUDA-only helpers implemented in csrc/cuda (stubs returning TM_ERR_NO_CUDA in csrc/common/no_cuda.cpp when
+/* CUDA-only helpers implemented in csrc/cuda (stubs returning TM_ERR_NO_CUDA in csrc/no_cuda/no_cuda.cpp when
  * the library is built without nvcc). */
 int tm_cuda_compiled_impl(void);
 int tm_cuda_device_count_impl(void);

@@ -156,7 +156,7 @@ TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_
 
 /* Sampling for one row of logits [vocab]: p = softmax(logits / temperature); keep the top_k most probable
  * (top_k <= 0: all; ties to the lower id), then the smallest prefix of those, in descending p (ties: lower id
- * first), whose mass reaches top_p (top_p >= 1: all); draw u in [0, 1) from a counter-based generator of
+ * first), whose mass reaches top_p times the mass of the top-k survivors (top_p >= 1: all); draw u in [0, 1) from a counter-based generator of
  * (seed, step[0]) and return the first kept token, in that order, at which the cumulative kept mass exceeds
  * u * kept mass. Deterministic for a given (logits, seed, step). out[0] = token id. step is read from memory
  * (device memory for CUDA) so a captured graph samples anew every replay. */

@@ -1,0 +1,315 @@
+// dispatch.cpp - the public tm_* entry points: validate every argument once (so neither backend repeats the
+// checks and every message names the kernel and the argument), then forward to tm_cpu_* or tm_cuda_*.
+#include <cinttypes>
+#include <cmath>
+
+#include "backends.h"
+#include "qtypes.h"
+
+namespace {
+
+constexpr int kInvalid = TM_ERR_INVALID_ARGUMENT;
+
+int check_device(const char* fn, int device) {
+  if (device == TM_DEVICE_CPU || device == TM_DEVICE_CUDA) return TM_OK;
+  return tm_set_error(kInvalid, "%s: unknown device %d (expected TM_DEVICE_CPU=0 or TM_DEVICE_CUDA=1)", fn, device);
+}
+
+int check_ptr(const char* fn, const char* arg, const void* p) {
+  if (p != nullptr) return TM_OK;
+  return tm_set_error(kInvalid, "%s: argument '%s' is a null pointer", fn, arg);
+}
+
+int check_positive(const char* fn, const char* arg, int64_t v) {
+  if (v > 0) return TM_OK;
+  return tm_set_error(kInvalid, "%s: argument '%s' must be > 0, got %" PRId64, fn, arg, v);
+}
+
+int check_qtype(const char* fn, int qtype) {
+  if (tm_qtype_supported(qtype)) return TM_OK;
+  return tm_set_error(TM_ERR_UNSUPPORTED_QTYPE,
+                      "%s: unsupported weight format qtype %d (GGML %s); supported: " TM_SUPPORTED_QTYPES_TEXT, fn,
+                      qtype, tm_ggml_type_name(qtype));
+}
+
+// A quantized row is a whole number of blocks.
+int check_row_length(const char* fn, const char* arg, int qtype, int64_t cols) {
+  int64_t bs = tm_qtype_block_size(qtype);
+  if (cols % bs == 0) return TM_OK;
+  return tm_set_error(kInvalid, "%s: argument '%s' = %" PRId64 " is not a multiple of the %s block size %" PRId64,
+                      fn, arg, cols, tm_ggml_type_name(qtype), bs);
+}
+
+int check_slots(const char* fn, int64_t top_k, int64_t slot_begin, int64_t slot_count) {
+  if (slot_begin >= 0 && slot_count > 0 && slot_begin + slot_count <= top_k) return TM_OK;
+  return tm_set_error(kInvalid,
+                      "%s: slot range [slot_begin=%" PRId64 ", slot_begin + slot_count=%" PRId64
+                      ") must be a non-empty range inside [0, top_k=%" PRId64 "]",
+                      fn, slot_begin, slot_begin + slot_count, top_k);
+}
+
+}  // namespace
+
+// Runs each check in order and returns the first failure.
+#define TM_TRY(expr)                  \
+  do {                                \
+    int tm_try_status_ = (expr);      \
+    if (tm_try_status_ != TM_OK) return tm_try_status_; \
+  } while (0)
+
+#define TM_FORWARD(kernel, device, ...)                                                              \
+  ((device) == TM_DEVICE_CPU ? tm_cpu_##kernel(__VA_ARGS__) : tm_cuda_##kernel(__VA_ARGS__))
+
+extern "C" {
+
+// ---- library and device ----------------------------------------------------------------------------------
+
+TM_API int tm_cuda_compiled(void) { return tm_cuda_compiled_impl(); }
+
+TM_API int tm_cuda_device_count(void) { return tm_cuda_device_count_impl(); }
+
+TM_API int tm_cuda_device_props(tm_device_props* out) {
+  TM_TRY(check_ptr("tm_cuda_device_props", "out", out));
+  return tm_cuda_device_props_impl(out);
+}
+
+TM_API int tm_set_launch_limits_for_testing(int64_t smem_per_block, int max_grid_yz) {
+  const char* fn = "tm_set_launch_limits_for_testing";
+  if (smem_per_block < 0)
+    return tm_set_error(kInvalid, "%s: argument 'smem_per_block' must be >= 0 (0 = device value), got %" PRId64, fn,
+                        smem_per_block);
+  if (max_grid_yz < 0 || max_grid_yz > 65535)
+    return tm_set_error(kInvalid, "%s: argument 'max_grid_yz' must be in [0, 65535] (0 = device value), got %d", fn,
+                        max_grid_yz);
+  return tm_cuda_set_launch_limits_impl(smem_per_block, max_grid_yz);
+}
+
+TM_API int tm_cuda_graph_begin_capture(void* stream) { return tm_cuda_graph_begin_capture_impl(stream); }
+
+TM_API int tm_cuda_graph_end_capture(void* stream, void** graph_exec_out) {
+  TM_TRY(check_ptr("tm_cuda_graph_end_capture", "graph_exec_out", graph_exec_out));
+  return tm_cuda_graph_end_capture_impl(stream, graph_exec_out);
+}
+
+TM_API int tm_cuda_graph_launch(void* graph_exec, void* stream) {
+  TM_TRY(check_ptr("tm_cuda_graph_launch", "graph_exec", graph_exec));
+  return tm_cuda_graph_launch_impl(graph_exec, stream);
+}
+
+TM_API int tm_cuda_graph_destroy(void* graph_exec) {
+  TM_TRY(check_ptr("tm_cuda_graph_destroy", "graph_exec", graph_exec));
+  return tm_cuda_graph_destroy_impl(graph_exec);
+}
+
+TM_API int tm_stream_synchronize(tm_device device, void* stream) {
+  TM_TRY(check_device("tm_stream_synchronize", device));
+  if (device == TM_DEVICE_CPU) return TM_OK;  // CPU kernels are synchronous
+  return tm_cuda_stream_synchronize_impl(stream);
+}
+
+// ---- kernels -------------------------------------------------------------------------------------------------
+
+TM_API int tm_embedding(tm_device device, int qtype, const void* table, const int32_t* ids, float* out,
+                        int64_t n_tokens, int64_t vocab, int64_t dim, void* stream) {
+  const char* fn = "tm_embedding";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_ptr(fn, "table", table));
+  TM_TRY(check_ptr(fn, "ids", ids));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "vocab", vocab));
+  TM_TRY(check_positive(fn, "dim", dim));
+  TM_TRY(check_row_length(fn, "dim", qtype, dim));
+  return TM_FORWARD(embedding, device, qtype, table, ids, out, n_tokens, vocab, dim, stream);
+}
+
+TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim,
+                      float eps, void* stream) {
+  const char* fn = "tm_rmsnorm";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "x", x));
+  TM_TRY(check_ptr(fn, "w", w));
+  TM_TRY(check_ptr(fn, "y", y));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "dim", dim));
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
+  return TM_FORWARD(rmsnorm, device, x, w, y, n_tokens, dim, eps, stream);
+}
+
+TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, void* stream) {
+  const char* fn = "tm_matmul";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_ptr(fn, "w", w));
+  TM_TRY(check_ptr(fn, "x", x));
+  TM_TRY(check_ptr(fn, "y", y));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "rows", rows));
+  TM_TRY(check_positive(fn, "cols", cols));
+  TM_TRY(check_row_length(fn, "cols", qtype, cols));
+  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, stream);
+}
+
+TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
+                             float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t n_heads,
+                             int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
+                             void* stream) {
+  const char* fn = "tm_rope_kv_append";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "q", q));
+  TM_TRY(check_ptr(fn, "k", k));
+  TM_TRY(check_ptr(fn, "v", v));
+  TM_TRY(check_ptr(fn, "k_cache", k_cache));
+  TM_TRY(check_ptr(fn, "v_cache", v_cache));
+  TM_TRY(check_ptr(fn, "pos", pos));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_heads", n_heads));
+  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
+  TM_TRY(check_positive(fn, "head_dim", head_dim));
+  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
+  if (head_dim % 2 != 0)
+    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
+                        head_dim);
+  if (n_tokens > max_ctx)
+    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
+                        max_ctx);
+  if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
+    return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
+  return TM_FORWARD(rope_kv_append, device, q, k, v, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads,
+                    head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
+}
+
+TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
+                        const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
+                        int64_t head_dim, int64_t max_ctx, void* stream) {
+  const char* fn = "tm_attention";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "q", q));
+  TM_TRY(check_ptr(fn, "k_cache", k_cache));
+  TM_TRY(check_ptr(fn, "v_cache", v_cache));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_ptr(fn, "pos", pos));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_heads", n_heads));
+  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
+  TM_TRY(check_positive(fn, "head_dim", head_dim));
+  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
+  if (n_heads % n_kv_heads != 0)
+    return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
+                        n_heads, n_kv_heads);
+  if (n_tokens > max_ctx)
+    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
+                        max_ctx);
+  return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
+                    max_ctx, stream);
+}
+
+TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,
+                          int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                          void* stream) {
+  const char* fn = "tm_router_topk";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "w_router", w_router));
+  TM_TRY(check_ptr(fn, "h", h));
+  TM_TRY(check_ptr(fn, "ids", ids));
+  TM_TRY(check_ptr(fn, "weights", weights));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  if (top_k > n_experts)
+    return tm_set_error(kInvalid, "%s: top_k = %" PRId64 " exceeds n_experts = %" PRId64, fn, top_k, n_experts);
+  if (n_experts > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: n_experts = %" PRId64 " does not fit the int32 expert ids", fn, n_experts);
+  return TM_FORWARD(router_topk, device, w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k,
+                    normalize ? 1 : 0, stream);
+}
+
+TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
+                          const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+  const char* fn = "tm_moe_gate_up";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_ptr(fn, "w_gate", w_gate));
+  TM_TRY(check_ptr(fn, "w_up", w_up));
+  TM_TRY(check_ptr(fn, "h", h));
+  TM_TRY(check_ptr(fn, "act", act));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  TM_TRY(check_slots(fn, top_k, slot_begin, slot_count));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, "ffn", ffn));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
+  return TM_FORWARD(moe_gate_up, device, qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, slot_begin, slot_count,
+                    n_experts, ffn, hidden, stream);
+}
+
+TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,
+                                  const int32_t* ids, const float* weights, const float* gate_inp, const float* h,
+                                  float* x, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
+                                  int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+  const char* fn = "tm_moe_down_accumulate";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_ptr(fn, "w_down", w_down));
+  TM_TRY(check_ptr(fn, "act", act));
+  TM_TRY(check_ptr(fn, "x", x));
+  if (gate_inp != nullptr && h == nullptr)
+    return tm_set_error(kInvalid, "%s: argument 'h' is a null pointer but 'gate_inp' is given (the gate reads h)",
+                        fn);
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  TM_TRY(check_slots(fn, top_k, slot_begin, slot_count));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  TM_TRY(check_positive(fn, "ffn", ffn));
+  TM_TRY(check_row_length(fn, "ffn", qtype, ffn));
+  return TM_FORWARD(moe_down_accumulate, device, qtype, w_down, act, ids, weights, gate_inp, h, x, n_tokens, top_k,
+                    slot_begin, slot_count, n_experts, hidden, ffn, stream);
+}
+
+TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
+                     void* stream) {
+  const char* fn = "tm_argmax";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "logits", logits));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "vocab", vocab));
+  if (vocab > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: vocab = %" PRId64 " does not fit the int32 token ids", fn, vocab);
+  return TM_FORWARD(argmax, device, logits, out, n_tokens, vocab, stream);
+}
+
+TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_t vocab, float temperature,
+                     float top_p, int64_t top_k, uint64_t seed, const int32_t* step, void* stream) {
+  const char* fn = "tm_sample";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "logits", logits));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_ptr(fn, "step", step));
+  TM_TRY(check_positive(fn, "vocab", vocab));
+  if (vocab > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: vocab = %" PRId64 " does not fit the int32 token ids", fn, vocab);
+  if (!(temperature > 0.0f) || !std::isfinite(temperature))
+    return tm_set_error(kInvalid,
+                        "%s: argument 'temperature' must be finite and > 0, got %g (use tm_argmax for greedy)", fn,
+                        (double)temperature);
+  if (!(top_p > 0.0f))
+    return tm_set_error(kInvalid, "%s: argument 'top_p' must be > 0 (>= 1 keeps all), got %g", fn, (double)top_p);
+  return TM_FORWARD(sample, device, logits, out, vocab, temperature, top_p, top_k, seed, step, stream);
+}
+
+TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, void* stream) {
+  const char* fn = "tm_advance_position";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "pos", pos));
+  return TM_FORWARD(advance_position, device, pos, delta, stream);
+}
+
+}  // extern "C"

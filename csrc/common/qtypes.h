@@ -1,0 +1,65 @@
+/*
+ * qtypes.h - internal: block geometry and names of GGML weight formats, shared by the dispatcher (argument
+ * checks), the CPU and CUDA kernels and the torch shell (tensor byte-size checks). C-compatible, header-only.
+ */
+#ifndef TORNADO_MOE_QTYPES_H
+#define TORNADO_MOE_QTYPES_H
+
+#include <stdint.h>
+
+#include "host_device.h"
+#include "tornado_moe.h"
+
+/* 1 when the kernels support weight format `qtype` (a tm_qtype value). */
+static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
+  switch (qtype) {
+    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q8_0: case TM_BF16: return 1;
+    default: return 0;
+  }
+}
+
+/* Values per block (a row length must be a multiple of it); 0 for an unsupported format. */
+static inline TM_HOST_DEVICE int64_t tm_qtype_block_size(int qtype) {
+  switch (qtype) {
+    case TM_F32: case TM_F16: case TM_BF16: return 1;
+    case TM_Q4_0: case TM_Q4_1: case TM_Q8_0: return 32;
+    default: return 0;
+  }
+}
+
+/* Bytes per block as stored in a GGUF file; 0 for an unsupported format. */
+static inline TM_HOST_DEVICE int64_t tm_qtype_block_bytes(int qtype) {
+  switch (qtype) {
+    case TM_F32: return 4;
+    case TM_F16: case TM_BF16: return 2;
+    case TM_Q4_0: return 2 + 16;
+    case TM_Q4_1: return 2 + 2 + 16;
+    case TM_Q8_0: return 2 + 32;
+    default: return 0;
+  }
+}
+
+/* Bytes of one row of `cols` values (cols a multiple of the block size). */
+static inline TM_HOST_DEVICE int64_t tm_qtype_row_bytes(int qtype, int64_t cols) {
+  int64_t bs = tm_qtype_block_size(qtype);
+  return bs > 0 ? cols / bs * tm_qtype_block_bytes(qtype) : 0;
+}
+
+/* GGML name of any type id (for error messages), "unknown" outside the GGML enum. */
+static inline const char* tm_ggml_type_name(int qtype) {
+  switch (qtype) {
+    case 0: return "F32";      case 1: return "F16";      case 2: return "Q4_0";     case 3: return "Q4_1";
+    case 6: return "Q5_0";     case 7: return "Q5_1";     case 8: return "Q8_0";     case 9: return "Q8_1";
+    case 10: return "Q2_K";    case 11: return "Q3_K";    case 12: return "Q4_K";    case 13: return "Q5_K";
+    case 14: return "Q6_K";    case 15: return "Q8_K";    case 16: return "IQ2_XXS"; case 17: return "IQ2_XS";
+    case 18: return "IQ3_XXS"; case 19: return "IQ1_S";   case 20: return "IQ4_NL";  case 21: return "IQ3_S";
+    case 22: return "IQ2_S";   case 23: return "IQ4_XS";  case 24: return "I8";      case 25: return "I16";
+    case 26: return "I32";     case 27: return "I64";     case 28: return "F64";     case 29: return "IQ1_M";
+    case 30: return "BF16";    case 34: return "TQ1_0";   case 35: return "TQ2_0";   case 39: return "MXFP4";
+    default: return "unknown";
+  }
+}
+
+#define TM_SUPPORTED_QTYPES_TEXT "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)"
+
+#endif

@@ -1,0 +1,42 @@
+/*
+ * cpu_math.h - internal: the float32 reductions and activations every CPU kernel shares, so that one quantity
+ * (a dot product, a gate) is computed by one piece of code wherever it appears (fused or per-slot kernels give
+ * bitwise identical results because they call these same functions on the same inputs).
+ *
+ * Dot-product order (all CPU dot products, sums of squares included): eight partial sums; partial j accumulates,
+ * in increasing column order, the products a[c] * b[c] of the columns c with c % 8 == j (each a rounded multiply
+ * then a rounded add: the library is built with -ffp-contract=off); the result is
+ * ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)). The order depends only on the length, never on threads.
+ */
+#ifndef TORNADO_MOE_CPU_MATH_H
+#define TORNADO_MOE_CPU_MATH_H
+
+#include <cmath>
+#include <cstdint>
+
+namespace tm_cpu {
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  float p[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    for (int j = 0; j < 8; ++j) p[j] = p[j] + a[c + j] * b[c + j];
+  }
+  for (int j = 0; c + j < n; ++j) p[j] = p[j] + a[c + j] * b[c + j];
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+// silu(g) = g / (1 + exp(-g)), as the header states.
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+// Below this many multiply-adds a kernel runs on the calling thread: waking the OpenMP team costs more.
+constexpr int64_t kParallelWork = 1 << 15;
+
+// Rows decoded together: every decoded tile is reused for all tokens while it is in cache.
+constexpr int64_t kRowTile = 8;
+
+}  // namespace tm_cpu
+
+#endif

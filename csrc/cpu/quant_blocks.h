@@ -1,0 +1,101 @@
+/*
+ * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q8_0) into float32 for the CPU
+ * kernels. Every value is produced exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact;
+ * Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d + m, each a rounded float32 product then a rounded add), so a decoded row is
+ * bitwise equal to gguf.quants.dequantize of the same bytes.
+ */
+#ifndef TORNADO_MOE_CPU_QUANT_BLOCKS_H
+#define TORNADO_MOE_CPU_QUANT_BLOCKS_H
+
+#include <cstdint>
+#include <cstring>
+
+#include "qtypes.h"
+
+namespace tm_cpu {
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));  // rows need not be 2-byte aligned
+  return v;
+}
+
+// IEEE half -> float, exact for every input (subnormals, infinities, NaN payloads). Written with bit masks
+// instead of branches so that row decoding vectorizes.
+inline float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;  // exponent and mantissa
+  const uint32_t exp = em >> 10;
+  const uint32_t normal = (em << 13) + (112u << 23);  // rebias the exponent 15 -> 127
+  const uint32_t special = (em << 13) | 0x7f800000u;  // infinities and NaN (payload kept)
+  // zero or subnormal: mant * 2^-24 is exact in float32
+  const float sub_f = static_cast<float>(em) * 5.9604644775390625e-08f;
+  uint32_t sub;
+  std::memcpy(&sub, &sub_f, sizeof(sub));
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(exp == 0);  // all ones or zero: a branch-free select
+  const uint32_t is_special = 0u - static_cast<uint32_t>(exp == 31);
+  const uint32_t bits = sign | (sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special));
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// bfloat16 -> float: the upper half of the float32 bits.
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline void decode_q8_0_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(qs[i]) * d;
+}
+
+inline void decode_q4_0_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  const uint8_t* qs = blk + 2;
+  // two separate loops (low nibbles, then high) so that each vectorizes
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(static_cast<int>(qs[i] & 0x0f) - 8) * d;
+  for (int i = 0; i < 16; ++i) out[i + 16] = static_cast<float>(static_cast<int>(qs[i] >> 4) - 8) * d;
+}
+
+inline void decode_q4_1_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  const float m = fp16_to_f32(load_u16(blk + 2));
+  const uint8_t* qs = blk + 4;
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(qs[i] & 0x0f) * d + m;
+  for (int i = 0; i < 16; ++i) out[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
+}
+
+// Decodes the first `n` values of a row (n a multiple of the block size; qtype supported) into out[0, n).
+inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
+  switch (qtype) {
+    case TM_F32:
+      std::memcpy(out, row, static_cast<size_t>(n) * sizeof(float));
+      break;
+    case TM_F16:
+      for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_f32(load_u16(row + 2 * i));
+      break;
+    case TM_BF16:
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(row + 2 * i));
+      break;
+    case TM_Q8_0:
+      for (int64_t b = 0; b < n / 32; ++b) decode_q8_0_block(row + 34 * b, out + 32 * b);
+      break;
+    case TM_Q4_0:
+      for (int64_t b = 0; b < n / 32; ++b) decode_q4_0_block(row + 18 * b, out + 32 * b);
+      break;
+    case TM_Q4_1:
+      for (int64_t b = 0; b < n / 32; ++b) decode_q4_1_block(row + 20 * b, out + 32 * b);
+      break;
+    default:
+      break;  // unreachable: the dispatcher rejects unsupported formats
+  }
+}
+
+}  // namespace tm_cpu
+
+#endif

@@ -1,0 +1,317 @@
+// ops.cpp - torch.ops.tornado_moe.*: a thin shell over the C ABI (tornado_moe.h). Each op takes the C function's
+// arguments (minus `device` and `stream`) plus a trailing `int stream` (the cudaStream_t as an integer, 0 on CPU),
+// checks that the tensors are contiguous, on one device, of the right dtype and large enough for the given sizes,
+// calls the C function and turns a failure into a RuntimeError carrying tm_last_error(). No kernel logic here, and
+// no CUDA header: the same source builds against CPU and CUDA torch.
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../common/qtypes.h"
+#include "tornado_moe.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// torch's Python names, which is what users of the ops see.
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kByte: return "uint8";
+    default: return c10::toString(t);
+  }
+}
+
+// Collects the tensors of one call: checks each one and that all share a device.
+class Args {
+ public:
+  explicit Args(const char* op) : op_(op) {}
+
+  // A float32 / int32 tensor with at least `numel` elements.
+  template <typename T>
+  T* data(const Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
+    check_common(t, name);
+    TORCH_CHECK(t.scalar_type() == dtype, op_, ": argument '", name, "' must be a ", dtype_name(dtype),
+                " tensor, got ", dtype_name(t.scalar_type()));
+    TORCH_CHECK(numel <= 0 || t.numel() >= numel, op_, ": argument '", name, "' has ", t.numel(),
+                " elements, the sizes given need ", numel);
+    return static_cast<T*>(t.data_ptr());
+  }
+
+  template <typename T>
+  T* optional(const OptTensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
+    return t.has_value() ? data<T>(*t, name, dtype, numel) : nullptr;
+  }
+
+  // Raw GGUF weight bytes: uint8, or the matching float dtype for F32/F16/BF16 tensors.
+  const void* weights(const Tensor& t, const char* name, int64_t qtype, int64_t nbytes) {
+    check_common(t, name);
+    const at::ScalarType dt = t.scalar_type();
+    const bool ok = dt == at::kByte || (qtype == TM_F32 && dt == at::kFloat) || (qtype == TM_F16 && dt == at::kHalf) ||
+                    (qtype == TM_BF16 && dt == at::kBFloat16);
+    TORCH_CHECK(ok, op_, ": argument '", name, "' must hold the raw GGUF bytes as a uint8 tensor (or the matching ",
+                "float dtype for F32/F16/BF16), got ", dtype_name(dt), " for qtype ", qtype);
+    TORCH_CHECK(nbytes <= 0 || t.nbytes() >= static_cast<size_t>(nbytes), op_, ": argument '", name, "' has ",
+                t.nbytes(), " bytes, the sizes given need ", nbytes);
+    return t.data_ptr();
+  }
+
+  tm_device device() const {
+    TORCH_CHECK(device_.has_value(), op_, ": no tensor argument");
+    return device_->is_cuda() ? TM_DEVICE_CUDA : TM_DEVICE_CPU;
+  }
+
+  // Makes the tensors' CUDA device current for the launch (a no-op on CPU).
+  c10::Device torch_device() const { return *device_; }
+
+  void check(int status) const {
+    TORCH_CHECK(status == TM_OK, op_, ": ", tm_last_error(), " (status ", status, ")");
+  }
+
+ private:
+  void check_common(const Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined(), op_, ": argument '", name, "' is an undefined tensor");
+    TORCH_CHECK(t.is_contiguous(), op_, ": argument '", name, "' must be contiguous");
+    TORCH_CHECK(t.is_cpu() || t.is_cuda(), op_, ": argument '", name, "' is on ", t.device(),
+                "; only CPU and CUDA tensors are supported");
+    if (!device_.has_value()) {
+      device_ = t.device();
+      first_ = name;
+    } else {
+      TORCH_CHECK(t.device() == *device_, op_, ": argument '", name, "' is on ", t.device(), " but '", first_,
+                  "' is on ", *device_, "; all tensors must be on one device");
+    }
+  }
+
+  const char* op_;
+  std::optional<c10::Device> device_;
+  const char* first_ = "";
+};
+
+void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
+
+int64_t row_bytes(int64_t qtype, int64_t cols) { return tm_qtype_row_bytes(static_cast<int>(qtype), cols); }
+
+constexpr auto kF32 = at::kFloat;
+constexpr auto kI32 = at::kInt;
+
+void embedding(int64_t qtype, const Tensor& table, const Tensor& ids, const Tensor& out, int64_t n_tokens,
+               int64_t vocab, int64_t dim, int64_t stream) {
+  Args a("tornado_moe.embedding");
+  const void* table_p = a.weights(table, "table", qtype, vocab * row_bytes(qtype, dim));
+  const int32_t* ids_p = a.data<const int32_t>(ids, "ids", kI32, n_tokens);
+  float* out_p = a.data<float>(out, "out", kF32, n_tokens * dim);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_embedding(a.device(), static_cast<int>(qtype), table_p, ids_p, out_p, n_tokens, vocab, dim,
+                       as_stream(stream)));
+}
+
+void rmsnorm(const Tensor& x, const Tensor& w, const Tensor& y, int64_t n_tokens, int64_t dim, double eps,
+             int64_t stream) {
+  Args a("tornado_moe.rmsnorm");
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * dim);
+  const float* w_p = a.data<const float>(w, "w", kF32, dim);
+  float* y_p = a.data<float>(y, "y", kF32, n_tokens * dim);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_rmsnorm(a.device(), x_p, w_p, y_p, n_tokens, dim, static_cast<float>(eps), as_stream(stream)));
+}
+
+void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
+            int64_t rows, int64_t cols, bool accumulate, int64_t stream) {
+  Args a("tornado_moe.matmul");
+  const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
+  const float* b_p = a.optional<const float>(bias, "bias", kF32, rows);
+  float* y_p = a.data<float>(y, "y", kF32, n_tokens * rows);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
+                    as_stream(stream)));
+}
+
+void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                    const Tensor& pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                    int64_t max_ctx, double freq_base, bool neox, int64_t stream) {
+  Args a("tornado_moe.rope_kv_append");
+  float* q_p = a.data<float>(q, "q", kF32, n_tokens * n_heads * head_dim);
+  const float* k_p = a.data<const float>(k, "k", kF32, n_tokens * n_kv_heads * head_dim);
+  const float* v_p = a.data<const float>(v, "v", kF32, n_tokens * n_kv_heads * head_dim);
+  float* kc_p = a.data<float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
+  float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * n_kv_heads * head_dim);
+  const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_rope_kv_append(a.device(), q_p, k_p, v_p, kc_p, vc_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim,
+                            max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
+}
+
+void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
+               int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
+               int64_t stream) {
+  Args a("tornado_moe.attention");
+  const float* q_p = a.data<const float>(q, "q", kF32, n_tokens * n_heads * head_dim);
+  const float* kc_p = a.data<const float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
+  const float* vc_p = a.data<const float>(v_cache, "v_cache", kF32, max_ctx * n_kv_heads * head_dim);
+  float* out_p = a.data<float>(out, "out", kF32, n_tokens * n_heads * head_dim);
+  const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx,
+                       as_stream(stream)));
+}
+
+void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, const Tensor& weights, int64_t n_tokens,
+                 int64_t n_experts, int64_t hidden, int64_t top_k, bool normalize, int64_t stream) {
+  Args a("tornado_moe.router_topk");
+  const float* w_p = a.data<const float>(w_router, "w_router", kF32, n_experts * hidden);
+  const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
+  int32_t* ids_p = a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  float* wt_p = a.data<float>(weights, "weights", kF32, n_tokens * top_k);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_router_topk(a.device(), w_p, h_p, ids_p, wt_p, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
+                         as_stream(stream)));
+}
+
+void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const OptTensor& ids,
+                 const Tensor& act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
+                 int64_t n_experts, int64_t ffn, int64_t hidden, int64_t stream) {
+  Args a("tornado_moe.moe_gate_up");
+  const int64_t expert_bytes = ffn * row_bytes(qtype, hidden);
+  const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * expert_bytes);
+  const void* u_p = a.weights(w_up, "w_up", qtype, n_experts * expert_bytes);
+  const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
+  const int32_t* ids_p = a.optional<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_moe_gate_up(a.device(), static_cast<int>(qtype), g_p, u_p, h_p, ids_p, act_p, n_tokens, top_k, slot_begin,
+                         slot_count, n_experts, ffn, hidden, as_stream(stream)));
+}
+
+void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
+                         const OptTensor& weights, const OptTensor& gate_inp, const OptTensor& h, const Tensor& x,
+                         int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
+                         int64_t hidden, int64_t ffn, int64_t stream) {
+  Args a("tornado_moe.moe_down_accumulate");
+  const void* w_p = a.weights(w_down, "w_down", qtype, n_experts * hidden * row_bytes(qtype, ffn));
+  const float* act_p = a.data<const float>(act, "act", kF32, n_tokens * top_k * ffn);
+  const int32_t* ids_p = a.optional<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  const float* wt_p = a.optional<const float>(weights, "weights", kF32, n_tokens * top_k);
+  const float* gi_p = a.optional<const float>(gate_inp, "gate_inp", kF32, hidden);
+  const float* h_p = a.optional<const float>(h, "h", kF32, n_tokens * hidden);
+  float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_moe_down_accumulate(a.device(), static_cast<int>(qtype), w_p, act_p, ids_p, wt_p, gi_p, h_p, x_p,
+                                 n_tokens, top_k, slot_begin, slot_count, n_experts, hidden, ffn, as_stream(stream)));
+}
+
+void argmax(const Tensor& logits, const Tensor& out, int64_t n_tokens, int64_t vocab, int64_t stream) {
+  Args a("tornado_moe.argmax");
+  const float* l_p = a.data<const float>(logits, "logits", kF32, n_tokens * vocab);
+  int32_t* out_p = a.data<int32_t>(out, "out", kI32, n_tokens);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_argmax(a.device(), l_p, out_p, n_tokens, vocab, as_stream(stream)));
+}
+
+// `seed` is a uint64 in C; torch ints are int64, so it travels as the same 64 bits (the Python wrapper folds seeds
+// >= 2^63 into negative ints).
+void sample(const Tensor& logits, const Tensor& out, int64_t vocab, double temperature, double top_p, int64_t top_k,
+            int64_t seed, const Tensor& step, int64_t stream) {
+  Args a("tornado_moe.sample");
+  const float* l_p = a.data<const float>(logits, "logits", kF32, vocab);
+  int32_t* out_p = a.data<int32_t>(out, "out", kI32, 1);
+  const int32_t* step_p = a.data<const int32_t>(step, "step", kI32, 1);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_sample(a.device(), l_p, out_p, vocab, static_cast<float>(temperature), static_cast<float>(top_p), top_k,
+                    static_cast<uint64_t>(seed), step_p, as_stream(stream)));
+}
+
+void advance_position(const Tensor& pos, int64_t delta, int64_t stream) {
+  Args a("tornado_moe.advance_position");
+  TORCH_CHECK(delta >= INT32_MIN && delta <= INT32_MAX, "tornado_moe.advance_position: delta ", delta,
+              " does not fit int32");
+  int32_t* pos_p = a.data<int32_t>(pos, "pos", kI32, 1);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_advance_position(a.device(), pos_p, static_cast<int32_t>(delta), as_stream(stream)));
+}
+
+bool cuda_compiled() { return tm_cuda_compiled() != 0; }
+
+int64_t cuda_device_count() { return tm_cuda_device_count(); }
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, std::string> cuda_device_props() {
+  tm_device_props p{};
+  const int status = tm_cuda_device_props(&p);
+  TORCH_CHECK(status == TM_OK, "tornado_moe.cuda_device_props: ", tm_last_error(), " (status ", status, ")");
+  return {p.sm_count, p.max_grid_y, p.max_grid_z, p.smem_per_block_optin, p.l2_bytes, std::string(p.name)};
+}
+
+void set_launch_limits_for_testing(int64_t smem_per_block, int64_t max_grid_yz) {
+  TORCH_CHECK(max_grid_yz >= 0 && max_grid_yz <= INT32_MAX,
+              "tornado_moe.set_launch_limits_for_testing: max_grid_yz out of range: ", max_grid_yz);
+  const int status = tm_set_launch_limits_for_testing(smem_per_block, static_cast<int>(max_grid_yz));
+  TORCH_CHECK(status == TM_OK, "tornado_moe.set_launch_limits_for_testing: ", tm_last_error(), " (status ", status,
+              ")");
+}
+
+std::string version() { return tm_version(); }
+
+}  // namespace
+
+TORCH_LIBRARY(tornado_moe, m) {
+  m.def("embedding(int qtype, Tensor table, Tensor ids, Tensor(a!) out, int n_tokens, int vocab, int dim, "
+        "int stream) -> ()");
+  m.def("rmsnorm(Tensor x, Tensor w, Tensor(a!) y, int n_tokens, int dim, float eps, int stream) -> ()");
+  m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
+        "bool accumulate, int stream) -> ()");
+  m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
+        "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
+        "int stream) -> ()");
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
+        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, int stream) -> ()");
+  m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
+        "int hidden, int top_k, bool normalize, int stream) -> ()");
+  m.def("moe_gate_up(int qtype, Tensor w_gate, Tensor w_up, Tensor h, Tensor? ids, Tensor(a!) act, int n_tokens, "
+        "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, int stream) -> ()");
+  m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
+        "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
+        "int hidden, int ffn, int stream) -> ()");
+  m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
+  m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
+        "Tensor step, int stream) -> ()");
+  m.def("advance_position(Tensor(a!) pos, int delta, int stream) -> ()");
+  // No tensor arguments: catch-all kernels.
+  m.def("cuda_compiled() -> bool", &cuda_compiled);
+  m.def("cuda_device_count() -> int", &cuda_device_count);
+  m.def("cuda_device_props() -> (int sm_count, int max_grid_y, int max_grid_z, int smem_per_block_optin, "
+        "int l2_bytes, str name)",
+        &cuda_device_props);
+  m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
+  m.def("version() -> str", &version);
+}
+
+// One marshalling function per op serves both dispatch keys: the C ABI picks the backend from the device.
+#define TM_REGISTER_KERNELS(m)                              \
+  m.impl("embedding", &embedding);                         \
+  m.impl("rmsnorm", &rmsnorm);                             \
+  m.impl("matmul", &matmul);                               \
+  m.impl("rope_kv_append", &rope_kv_append);               \
+  m.impl("attention", &attention);                         \
+  m.impl("router_topk", &router_topk);                     \
+  m.impl("moe_gate_up", &moe_gate_up);                     \
+  m.impl("moe_down_accumulate", &moe_down_accumulate);     \
+  m.impl("argmax", &argmax);                               \
+  m.impl("sample", &sample);                               \
+  m.impl("advance_position", &advance_position)
+
+TORCH_LIBRARY_IMPL(tornado_moe, CPU, m) { TM_REGISTER_KERNELS(m); }
+
+TORCH_LIBRARY_IMPL(tornado_moe, CUDA, m) { TM_REGISTER_KERNELS(m); }

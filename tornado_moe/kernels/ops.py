@@ -1,0 +1,289 @@
+"""Thin Python wrappers over ``torch.ops.tornado_moe``: one function per kernel of the C ABI.
+
+Each wrapper takes the torch op's arguments without the trailing ``stream`` and passes the current CUDA
+stream of its tensors' device (0 on the CPU), so a call made inside ``torch.cuda.graph`` or
+``with torch.cuda.stream(s)`` launches where torch would. Outputs are written in place; every wrapper
+returns ``None``. Semantics, argument meanings and shapes: ``csrc/include/tornado_moe.h``. Weights are GGUF
+tensors as stored (uint8 bytes, or the float dtype for F32/F16/BF16); ``qtype`` is the GGML type id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tornado_moe.native import load_torch_ops
+
+__all__ = [
+    "KERNEL_NAMES",
+    "DeviceProps",
+    "advance_position",
+    "argmax",
+    "attention",
+    "cuda_compiled",
+    "cuda_device_count",
+    "device_props",
+    "embedding",
+    "matmul",
+    "moe_down_accumulate",
+    "moe_gate_up",
+    "native_version",
+    "rmsnorm",
+    "rope_kv_append",
+    "router_topk",
+    "sample",
+    "set_launch_limits_for_testing",
+    "stream_of",
+]
+
+# The kernels, in the order of the C kernel table (tm_kernel_name(i)); graph tasks name their kernel by these.
+KERNEL_NAMES: tuple[str, ...] = (
+    "embedding",
+    "rmsnorm",
+    "matmul",
+    "rope_kv_append",
+    "attention",
+    "router_topk",
+    "moe_gate_up",
+    "moe_down_accumulate",
+    "argmax",
+    "sample",
+    "advance_position",
+)
+
+_U64 = 1 << 64
+
+
+def _ops() -> Any:
+    load_torch_ops()
+    return torch.ops.tornado_moe
+
+
+def stream_of(tensor: torch.Tensor) -> int:
+    """The raw handle of the current CUDA stream of ``tensor``'s device; 0 for CPU tensors."""
+    if tensor.is_cuda:
+        return torch.cuda.current_stream(tensor.device).cuda_stream
+    return 0
+
+
+def embedding(
+    qtype: int, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int, dim: int
+) -> None:
+    _ops().embedding(qtype, table, ids, out, n_tokens, vocab, dim, stream_of(out))
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_tokens: int, dim: int, eps: float) -> None:
+    _ops().rmsnorm(x, w, y, n_tokens, dim, eps, stream_of(y))
+
+
+def matmul(
+    qtype: int,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    n_tokens: int,
+    rows: int,
+    cols: int,
+    accumulate: bool = False,
+) -> None:
+    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, stream_of(y))
+
+
+def rope_kv_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    n_tokens: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    max_ctx: int,
+    freq_base: float,
+    neox: bool,
+) -> None:
+    _ops().rope_kv_append(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        pos,
+        n_tokens,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        max_ctx,
+        freq_base,
+        neox,
+        stream_of(q),
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    pos: torch.Tensor,
+    n_tokens: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    max_ctx: int,
+) -> None:
+    _ops().attention(
+        q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, stream_of(out)
+    )
+
+
+def router_topk(
+    w_router: torch.Tensor,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    n_tokens: int,
+    n_experts: int,
+    hidden: int,
+    top_k: int,
+    normalize: bool,
+) -> None:
+    _ops().router_topk(
+        w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k, normalize, stream_of(ids)
+    )
+
+
+def moe_gate_up(
+    qtype: int,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    h: torch.Tensor,
+    ids: torch.Tensor | None,
+    act: torch.Tensor,
+    n_tokens: int,
+    top_k: int,
+    slot_begin: int,
+    slot_count: int,
+    n_experts: int,
+    ffn: int,
+    hidden: int,
+) -> None:
+    _ops().moe_gate_up(
+        qtype,
+        w_gate,
+        w_up,
+        h,
+        ids,
+        act,
+        n_tokens,
+        top_k,
+        slot_begin,
+        slot_count,
+        n_experts,
+        ffn,
+        hidden,
+        stream_of(act),
+    )
+
+
+def moe_down_accumulate(
+    qtype: int,
+    w_down: torch.Tensor,
+    act: torch.Tensor,
+    ids: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    gate_inp: torch.Tensor | None,
+    h: torch.Tensor | None,
+    x: torch.Tensor,
+    n_tokens: int,
+    top_k: int,
+    slot_begin: int,
+    slot_count: int,
+    n_experts: int,
+    hidden: int,
+    ffn: int,
+) -> None:
+    _ops().moe_down_accumulate(
+        qtype,
+        w_down,
+        act,
+        ids,
+        weights,
+        gate_inp,
+        h,
+        x,
+        n_tokens,
+        top_k,
+        slot_begin,
+        slot_count,
+        n_experts,
+        hidden,
+        ffn,
+        stream_of(x),
+    )
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:
+    _ops().argmax(logits, out, n_tokens, vocab, stream_of(out))
+
+
+def sample(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    vocab: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    step: torch.Tensor,
+) -> None:
+    """``seed`` is any integer in [0, 2**64) (the C uint64); it is passed to the op as the same 64 bits."""
+    if not 0 <= seed < _U64:
+        raise ValueError(f"sample: seed must be in [0, 2**64), got {seed}")
+    folded = seed - _U64 if seed >= 1 << 63 else seed
+    _ops().sample(logits, out, vocab, temperature, top_p, top_k, folded, step, stream_of(out))
+
+
+def advance_position(pos: torch.Tensor, delta: int) -> None:
+    _ops().advance_position(pos, delta, stream_of(pos))
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    """Properties of the current CUDA device as the kernel library reads them (never hard-coded)."""
+
+    sm_count: int
+    max_grid_y: int
+    max_grid_z: int
+    smem_per_block_optin: int
+    l2_bytes: int
+    name: str
+
+
+def device_props() -> DeviceProps:
+    """The current CUDA device's properties; raises RuntimeError without CUDA."""
+    return DeviceProps(*_ops().cuda_device_props())
+
+
+def cuda_compiled() -> bool:
+    """True when the kernel library was built with its CUDA kernels."""
+    return bool(_ops().cuda_compiled())
+
+
+def cuda_device_count() -> int:
+    return int(_ops().cuda_device_count())
+
+
+def set_launch_limits_for_testing(smem_per_block: int = 0, max_grid_yz: int = 0) -> None:
+    """Caps the shared memory and grid y/z the CUDA launchers plan with (0, 0 restores the device values)."""
+    _ops().set_launch_limits_for_testing(smem_per_block, max_grid_yz)
+
+
+def native_version() -> str:
+    """Version string of the loaded kernel library."""
+    return str(_ops().version())
