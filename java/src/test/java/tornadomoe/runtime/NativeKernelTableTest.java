@@ -1,0 +1,112 @@
+package tornadomoe.runtime;
+
+import static org.junit.Assert.assertEquals;
+import static org.junit.Assert.assertFalse;
+import static org.junit.Assert.assertNotEquals;
+import static org.junit.Assert.assertSame;
+import static org.junit.Assert.assertThrows;
+import static org.junit.Assert.assertTrue;
+
+import java.nio.ByteBuffer;
+import java.util.Arrays;
+import java.util.LinkedHashMap;
+import java.util.Map;
+
+import org.junit.Before;
+import org.junit.Test;
+
+/** The native kernel table and the small natives, through the real JNI library. */
+public class NativeKernelTableTest {
+    @Before
+    public void needsNativeLibrary() {
+        NativeTestSupport.assumeNativeLibrary();
+    }
+
+    /**
+     * Signatures derived by hand from the prototypes in tornado_moe.h (one letter per parameter between
+     * device and stream), so a table that drifts from the header fails here.
+     */
+    private static Map<String, String> headerSignatures() {
+        Map<String, String> m = new LinkedHashMap<>();
+        m.put("embedding", "qpppiii");          // qtype, table, ids, out, n_tokens, vocab, dim
+        m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
+        m.put("matmul", "qppnpiiib");           // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate
+        m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
+        m.put("attention", "pppppiiiii");       // q k_cache v_cache out pos, T heads kv hd ctx
+        m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
+        m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
+        m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
+        m.put("argmax", "ppii");                // logits out n_tokens vocab
+        m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
+        m.put("advance_position", "pi");        // pos delta
+        return m;
+    }
+
+    @Test
+    public void tableMatchesTheHeader() {
+        KernelSet set = KernelSet.nativeSet();
+        assertSame("read once", set, KernelSet.nativeSet());
+        assertEquals(NativeKernels.kernelCount(), set.size());
+        for (Map.Entry<String, String> e : headerSignatures().entrySet()) {
+            Kernel k = KernelSet.get(e.getKey());
+            assertEquals(e.getKey(), e.getValue(), k.signature());
+            assertEquals(e.getKey(), NativeKernels.kernelName(k.index()));
+        }
+        for (int i = 0; i < set.size(); i++) {
+            assertEquals(i, set.kernels().get(i).index());
+        }
+    }
+
+    @Test
+    public void unknownKernelListsTheNativeOnes() {
+        IllegalArgumentException e = assertThrows(IllegalArgumentException.class, () -> KernelSet.get("foo"));
+        assertTrue(e.getMessage(), e.getMessage().startsWith("unknown kernel 'foo' (known: ")
+                && e.getMessage().contains("rmsnorm") && e.getMessage().contains("moe_down_accumulate"));
+    }
+
+    @Test
+    public void outOfRangeIndicesAndInvokeFailuresThrowTornadoKernelException() {
+        TornadoKernelException name = assertThrows(TornadoKernelException.class,
+                () -> NativeKernels.kernelName(NativeKernels.kernelCount()));
+        assertEquals(TornadoKernelException.UNKNOWN_KERNEL, name.getStatus());
+        TornadoKernelException invoke = assertThrows(TornadoKernelException.class,
+                () -> NativeKernels.invoke(-1, 0, new long[0], 0));
+        assertEquals(TornadoKernelException.UNKNOWN_KERNEL, invoke.getStatus());
+        assertTrue(invoke.getMessage(), invoke.getMessage().contains("tm_invoke")
+                && invoke.getMessage().contains("unknown kernel index -1"));
+        Kernel argmax = KernelSet.get("argmax");
+        TornadoKernelException words = assertThrows(TornadoKernelException.class,
+                () -> NativeKernels.invoke(argmax.index(), 0, new long[] {1, 2}, 0));
+        assertEquals(TornadoKernelException.INVALID_ARGUMENT, words.getStatus());
+        assertThrows(IllegalArgumentException.class, () -> NativeKernels.invoke(argmax.index(), 0, null, 0));
+    }
+
+    @Test
+    public void deviceQueriesAreConsistent() {
+        int count = NativeKernels.cudaDeviceCount();
+        assertTrue(count >= 0);
+        if (!NativeKernels.cudaCompiled()) {
+            assertEquals(0, count);
+        }
+        assertFalse(NativeKernels.version().isEmpty());
+        NativeKernels.synchronize(Device.CPU.id(), 0);
+        TornadoKernelException bad = assertThrows(TornadoKernelException.class, () -> NativeKernels.synchronize(9, 0));
+        assertEquals(TornadoKernelException.INVALID_ARGUMENT, bad.getStatus());
+    }
+
+    @Test
+    public void addressOfDirectBuffersOnly() {
+        ByteBuffer direct = ByteBuffer.allocateDirect(64);
+        long a = NativeKernels.addressOf(direct);
+        assertNotEquals(0, a);
+        assertEquals(a, NativeKernels.addressOf(direct));
+        assertThrows(IllegalArgumentException.class, () -> NativeKernels.addressOf(ByteBuffer.allocate(64)));
+        assertThrows(IllegalArgumentException.class, () -> NativeKernels.addressOf(null));
+        DeviceBuffer b = DeviceBuffer.wrapDirect(direct, "direct");
+        assertEquals(a, b.getAddress());
+        assertEquals(64, b.getBytes());
+        assertEquals(Device.CPU, b.getDevice());
+        assertThrows(IllegalArgumentException.class, () -> DeviceBuffer.wrapDirect(ByteBuffer.allocate(8), "heap"));
+        assertEquals(Arrays.asList("direct"), Arrays.asList(b.getOwner()));
+    }
+}
