@@ -1,87 +1,377 @@
-"""``tornado-moe generate``: text generation on the default model or a GGUF file."""
+"""``tornado-moe generate``: text (or token-id) generation on the default model or a GGUF file.
+
+The generated text goes to stdout (streamed token by token unless ``--no-stream``); everything else goes
+to stderr and the last stderr line is always the run summary (prompt and generated tokens, prefill and
+decode speed), so scripts can parse it. Flags follow llama-tornado where they make sense
+(scripts/llama-tornado translates its spelling to this command).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
+from tornado_moe.cli.common import add_device_argument, load, need_text, paragraph, positive_int
 from tornado_moe.errors import InputError
+
+if TYPE_CHECKING:
+    from tornado_moe.engine import Engine, GenerationStats
+    from tornado_moe.model.tokenizer import Tokenizer
+
+DEFAULT_PROMPT = "The capital of France is"
+
+EPILOG = """\
+examples:
+  tornado-moe generate --prompt "The capital of France is" -n 16
+  tornado-moe generate --model model.gguf --instruct -sp "You are terse." --prompt "Name a colour."
+  tornado-moe generate --model tiny.gguf --prompt-ids 1,2,3 -n 8 --temperature 0.8 --seed 7
+  tornado-moe generate -i                      # chat on stdin; /exit or end-of-file quits
+  tornado-moe generate --device cuda --cuda-graphs --profiler --profiler-dump-dir prof/
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt",
-                       description="Generate text with a GGUF MoE model through the tornado-moe kernels.")
-    p.add_argument("--model", metavar="FILE",
-                   help="GGUF model file (default: the embedded SmolLM2-135M-Instruct MoE, built on first use)")
-    p.add_argument("--prompt", default="The capital of France is", help="prompt text (default: %(default)r)")
-    p.add_argument("--prompt-ids", metavar="IDS",
-                   help="comma-separated token ids instead of text (for models without a tokenizer)")
-    p.add_argument("-sp", "--system-prompt", help="system prompt, used with --instruct/--interactive")
-    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = all")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed (default: %(default)s)")
-    p.add_argument("--instruct", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the kernels run (default: auto = CUDA when available)")
-    p.add_argument("--route", choices=("torch", "java"), default="torch",
-                   help="torch ops, or the Java API through JNI/JPype (default: %(default)s)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="capture the whole decode step as one CUDA graph, replayed per token")
-    p.add_argument("--per-slot", action="store_true",
-                   help="unfused routed experts: two launches per routed slot instead of two per layer")
-    p.add_argument("--max-context", type=int, help="KV-cache length (default: min(model context, 4096))")
+    p = sub.add_parser(
+        "generate", help="generate text from a prompt (or chat with -i)",
+        description=paragraph(
+            "Generate text with a GGUF MoE model through the tornado-moe kernels. The text goes to "
+            "stdout; diagnostics and a final summary line (tokens, prefill and decode tok/s) go to "
+            "stderr."),
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model and prompt")
+    m.add_argument("--model", metavar="FILE",
+                   help="GGUF model file (default: the embedded SmolLM2-135M-derived MoE, built and cached "
+                        "on first use)")
+    m.add_argument("--prompt", metavar="TEXT",
+                   help=f"prompt text (default for text models: {DEFAULT_PROMPT!r}; with -i: the first "
+                        "message)")
+    m.add_argument("--prompt-ids", metavar="IDS",
+                   help="the prompt as comma-separated token ids instead of text (the only way to prompt a "
+                        "model without tokenizer)")
+    m.add_argument("-sp", "--system-prompt", metavar="TEXT",
+                   help="system message for the chat template (implies --instruct unless -i)")
+    m.add_argument("--instruct", action="store_true",
+                   help="wrap the prompt in the model's chat template as one user message and answer it")
+    m.add_argument("-i", "--interactive", action="store_true",
+                   help="chat loop: read user messages from stdin, one per line, answer each with the "
+                        "model's chat template, keeping the conversation (and its KV cache); quit on /exit "
+                        "or EOF")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("-n", "--max-tokens", type=positive_int, default=64, metavar="N",
+                   help="most tokens to generate per answer; generation also stops at an end-of-sequence "
+                        "token (default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy argmax (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass, in "
+                        "(0, 1] (default: %(default)s; ignored when greedy)")
+    s.add_argument("--top-k", type=int, default=0,
+                   help="keep only the K most likely tokens before top-p; 0 = all (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=42,
+                   help="sampling seed: a given (prompt, seed) always gives the same text "
+                        "(default: %(default)s)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print tokens as they are generated (--no-stream: print the answer at the end)")
+    o.add_argument("--echo", action="store_true",
+                   help="print the prompt (as the model sees it, chat template included) before the answer")
+
+    x = p.add_argument_group("execution")
+    add_device_argument(x)
+    x.add_argument("--route", choices=("torch", "java"), default="torch",
+                   help="how tasks reach the kernels: torch ops, or the Java TaskGraph API through JNI/JPype "
+                        "(default: %(default)s)")
+    x.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the whole decode step (all layers) as one CUDA graph, replayed per token "
+                        "(needs a CUDA device)")
+    x.add_argument("--per-slot", action="store_true",
+                   help="unfused routed experts: two launches per routed slot and layer instead of two per "
+                        "layer (bitwise identical results; for comparisons)")
+    x.add_argument("--max-context", type=positive_int, metavar="N",
+                   help="KV-cache length in tokens (default: min(model context, 4096)); prompt plus answer "
+                        "must fit")
+
+    d = p.add_argument_group("diagnostics")
+    d.add_argument("--profiler", action="store_true",
+                   help="count launches and time kernels per task; print a per-task table on stderr at the "
+                        "end")
+    d.add_argument("--profiler-dump-dir", metavar="DIR",
+                   help="also write the profile as JSON into DIR (a name ending in .json is used as the file "
+                        "itself); implies --profiler")
+    d.add_argument("--verbose-init", action="store_true",
+                   help="print model load, weight upload + graph build and warm-up step timings on stderr")
     p.set_defaults(func=run)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse contradictory or out-of-range flags before anything is loaded."""
+    if args.temperature < 0:
+        raise InputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise InputError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise InputError("give either --prompt or --prompt-ids, not both")
+    if args.prompt_ids is not None:
+        for flag, on in (("--interactive", args.interactive), ("--instruct", args.instruct),
+                         ("--system-prompt", args.system_prompt is not None)):
+            if on:
+                raise InputError(f"{flag} needs text (a chat template) and cannot be used with --prompt-ids")
+    if args.interactive and args.echo:
+        raise InputError("--echo cannot be used with --interactive (the conversation is on the terminal)")
+    if args.cuda_graphs and args.device == "cpu":
+        raise InputError("--cuda-graphs needs a CUDA device: use --device cuda (or auto on a GPU machine), "
+                         "not --device cpu")
 
 
 def run(args: argparse.Namespace) -> int:
     from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
-    from tornado_moe.model.gguf_model import load_model
     from tornado_moe.model.tokenizer import Tokenizer
+    from tornado_moe.tools.prompts import check_token_ids, parse_token_ids
 
-    if args.max_tokens < 1:
-        raise InputError("--max-tokens must be at least 1")
-    path = args.model
-    if path is None:
-        from tornado_moe.synth.default_model import default_model_path
-
-        path = default_model_path(progress=True)
-    model = load_model(path)
+    _check_flags(args)
+    profiler = args.profiler or args.profiler_dump_dir is not None
+    log = sys.stderr
+    t0 = time.perf_counter()
+    path, model = load(args)
+    t_load = time.perf_counter() - t0
+    cfg = model.config
     tok = Tokenizer.from_metadata(model.metadata)
-    if args.prompt_ids:
-        try:
-            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError as e:
-            raise InputError(f"--prompt-ids must be comma-separated integers: {e}") from None
+    chat = args.interactive or args.instruct or args.system_prompt is not None
+
+    prompt_ids: list[int] | None = None
+    if args.prompt_ids is not None:
+        prompt_ids = check_token_ids(parse_token_ids(args.prompt_ids), cfg.vocab)
     else:
-        text = args.prompt
-        if args.instruct:
-            msgs = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
-            msgs.append({"role": "user", "content": text})
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        prompt_ids = tok.encode(text)
+        if args.prompt is not None:
+            need_text(tok, path, "--prompt TEXT")
+        elif chat:
+            need_text(tok, path, "-i/--instruct/--system-prompt")
+        elif not tok.has_text:
+            raise InputError(f"{path}: this model has no tokenizer (token ids only): give the prompt with "
+                             "--prompt-ids")
+        if not args.interactive:
+            text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+            if chat:
+                text = tok.apply_chat_template(_messages(args.system_prompt, [("user", text)]),
+                                               add_generation_prompt=True)
+            prompt_ids = tok.encode(text)
+            if not prompt_ids:
+                raise InputError("--prompt: the text encodes to no tokens")
+    if prompt_ids is not None:
+        limit = min(args.max_context or cfg.context_length, cfg.context_length)
+        _check_prompt_fits(len(prompt_ids), limit)
+
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    engine = Engine(model, EngineOptions(device=args.device, route=args.route, fuse_experts=not args.per_slot,
-                                         cuda_graphs=args.cuda_graphs, max_context=args.max_context,
-                                         sampler=sampler))
-    stream = tok.streaming_decoder() if tok.has_text else None
-    if stream is not None and not args.instruct:
-        sys.stdout.write(args.prompt)
-
-    def emit(t: int) -> None:
-        if stream is not None:
-            sys.stdout.write(stream.push(t))
+    opts = EngineOptions(device=args.device, route=args.route, fuse_experts=not args.per_slot,
+                         cuda_graphs=args.cuda_graphs, profiler=profiler, max_context=args.max_context,
+                         sampler=sampler, progress=args.verbose_init)
+    t1 = time.perf_counter()
+    engine = Engine(model, opts)
+    t_init = time.perf_counter() - t1
+    try:
+        if args.verbose_init:
+            _report_init(engine, path, t_load, t_init, log)
+        if args.interactive:
+            stats = _chat(engine, tok, args, sys.stdin, sys.stdout, log)
         else:
-            sys.stdout.write(f" {t}")
-        sys.stdout.flush()
-
-    stop = tok.eos_ids if tok.has_text else ()
-    _, stats = engine.generate(prompt_ids, args.max_tokens, stop_ids=stop, on_token=emit)
-    if stream is not None:
-        sys.stdout.write(stream.flush())
-    sys.stdout.write("\n")
-    print(stats.summary(), file=sys.stderr)
-    engine.close()
+            assert prompt_ids is not None
+            stats = _generate_once(engine, tok, prompt_ids, args, sys.stdout, log)
+        if profiler:
+            _report_profile(engine, args, path, stats, log)
+    finally:
+        engine.close()
+    print(stats.summary(), file=log)
     return 0
+
+
+def _messages(system: str | None, turns: list[tuple[str, str]]) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": r, "content": c} for r, c in turns]
+    return msgs
+
+
+def _check_prompt_fits(n_prompt: int, context: int) -> None:
+    if n_prompt > context:
+        raise InputError(f"the prompt has {n_prompt} tokens, longer than the context of {context} tokens "
+                         "(raise --max-context up to the model's context length, or shorten the prompt)")
+
+
+def _room(engine: Engine, n_prompt: int, wanted: int, log: TextIO) -> int:
+    """Tokens that still fit after an ``n_prompt``-token prompt (the last one is produced, never fed)."""
+    _check_prompt_fits(engine.position + n_prompt, engine.max_context)
+    room = engine.max_context - engine.position - n_prompt + 1
+    if wanted > room:
+        print(f"note: -n {wanted} reduced to {room}: the context holds {engine.max_context} tokens",
+              file=log)
+        return room
+    return wanted
+
+
+def _warm_up(engine: Engine, token: int, log: TextIO) -> None:
+    """One step (module loading, first-touch of weights) before timing; the KV row it wrote is reused."""
+    sync = engine.device.type == "cuda"
+    t = time.perf_counter()
+    engine.feed(token)
+    if sync:
+        import torch
+
+        torch.cuda.synchronize(engine.device)
+    print(f"init: warm-up step {1e3 * (time.perf_counter() - t):.1f} ms", file=log)
+    engine.reset()
+
+
+def _report_init(engine: Engine, path: Path, t_load: float, t_init: float, log: TextIO) -> None:
+    cfg = engine.config
+    nbytes = sum(t.nbytes for t in engine.model.tensors.values())
+    print(f"init: model {path} ({nbytes / 1e9:.3f} GB)", file=log)
+    print(f"init: {cfg.describe()}", file=log)
+    print(f"init: load (parse + mmap) {1e3 * t_load:.1f} ms", file=log)
+    print(f"init: weight upload + task graphs on {engine.device} {1e3 * t_init:.1f} ms "
+          f"({nbytes / 1e9 / max(t_init, 1e-9):.2f} GB/s)", file=log)
+    o = engine.options
+    print(f"init: route {o.route}, experts {'fused' if o.fuse_experts else 'per-slot'}, CUDA graphs "
+          f"{'on' if o.cuda_graphs else 'off'}, {engine.launches_per_token} launches per token, context "
+          f"{engine.max_context}", file=log)
+    _warm_up(engine, 0, log)
+
+
+class _Printer:
+    """Writes generated tokens: streamed text, ids for token-id models, or all at the end."""
+
+    def __init__(self, tok: Tokenizer, stream: bool, out: TextIO) -> None:
+        self.tok, self.stream, self.out = tok, stream, out
+        self.decoder = tok.stream(skip_special=True) if tok.has_text else None
+        self.ids: list[int] = []
+
+    def __call__(self, t: int) -> None:
+        self.ids.append(t)
+        if not self.stream:
+            return
+        piece = self.decoder.push(t) if self.decoder is not None else f" {t}"
+        if piece:
+            self.out.write(piece)
+            self.out.flush()
+
+    def finish(self) -> None:
+        if self.stream:
+            tail = self.decoder.flush() if self.decoder is not None else ""
+        elif self.decoder is not None:
+            tail = self.tok.decode(self.ids, skip_special=True)
+        else:
+            tail = "".join(f" {t}" for t in self.ids)
+        self.out.write(tail + "\n")
+        self.out.flush()
+
+
+def _stop_ids(tok: Tokenizer) -> tuple[int, ...]:
+    return tuple(sorted(tok.eos_ids)) if tok.has_text else ()
+
+
+def _generate_once(engine: Engine, tok: Tokenizer, prompt_ids: list[int], args: argparse.Namespace,
+                   out: TextIO, log: TextIO) -> GenerationStats:
+    n = _room(engine, len(prompt_ids), args.max_tokens, log)
+    if args.echo:
+        out.write(tok.decode(prompt_ids) if tok.has_text else " ".join(map(str, prompt_ids)))
+        out.flush()
+    printer = _Printer(tok, args.stream, out)
+    _, stats = engine.generate(prompt_ids, n, stop_ids=_stop_ids(tok), on_token=printer)
+    printer.finish()
+    return stats
+
+
+def _chat(engine: Engine, tok: Tokenizer, args: argparse.Namespace, stdin: TextIO, out: TextIO,
+          log: TextIO) -> GenerationStats:
+    """The conversation loop. Only new tokens are fed each turn: the KV cache keeps the conversation so far
+    (re-encoding the whole conversation and feeding what extends the tokens already in the cache; if the
+    re-encoding does not extend them, the cache is rebuilt)."""
+    from tornado_moe.engine import GenerationStats
+
+    total = GenerationStats()
+    turns: list[tuple[str, str]] = []
+    fed: list[int] = []  # tokens whose K/V rows are in the cache, in order
+    pending = args.prompt
+    stop = _stop_ids(tok)
+    while True:
+        if pending is not None:
+            line, pending = pending, None
+            out.write(f"> {line}\n")
+        else:
+            out.write("> ")
+            out.flush()
+            raw = stdin.readline()
+            if raw == "":
+                out.write("\n")
+                break
+            line = raw.rstrip("\r\n")
+        if line.strip() == "/exit":
+            break
+        if not line.strip():
+            continue
+        turns.append(("user", line))
+        ids = tok.encode(tok.apply_chat_template(_messages(args.system_prompt, turns),
+                                                 add_generation_prompt=True))
+        common = 0
+        while common < min(len(fed), len(ids)) and fed[common] == ids[common]:
+            common += 1
+        if common < len(fed):
+            engine.reset()
+            fed, new = [], ids
+        else:
+            new = ids[len(fed):]
+        if len(ids) > engine.max_context:
+            print(f"note: the conversation ({len(ids)} tokens) no longer fits the context of "
+                  f"{engine.max_context} tokens: starting a new one", file=log)
+            turns = [("user", line)]
+            engine.reset()
+            fed = []
+            new = tok.encode(tok.apply_chat_template(_messages(args.system_prompt, turns),
+                                                     add_generation_prompt=True))
+        n = _room(engine, len(new), args.max_tokens, log)
+        printer = _Printer(tok, args.stream, out)
+        reply, stats = engine.generate(new, n, stop_ids=stop, on_token=printer)
+        printer.finish()
+        fed += new + reply[:-1]  # the last token was produced but not fed yet
+        turns.append(("assistant", tok.decode(reply, skip_special=True)))
+        total.prompt_tokens += stats.prompt_tokens
+        total.generated_tokens += stats.generated_tokens
+        total.prefill_s += stats.prefill_s
+        total.decode_s += stats.decode_s
+    return total
+
+
+def _report_profile(engine: Engine, args: argparse.Namespace, path: Path, stats: GenerationStats,
+                    log: TextIO) -> None:
+    from tornado_moe.cli.common import write_json
+    from tornado_moe.tools.profile import profiler_summary_table
+    from tornado_moe.tools.run_info import run_info
+
+    result = engine.plan.profiler_result()
+    print(profiler_summary_table(result, engine.launches_per_token), file=log)
+    if args.profiler_dump_dir is None:
+        return
+    dest = Path(args.profiler_dump_dir).expanduser()
+    if dest.suffix != ".json":
+        from tornado_moe.tools.run_info import utc_now
+
+        dest = dest / f"tornado-moe-profile-{utc_now().replace(':', '')}.json"
+    report = run_info(getattr(args, "argv", None), engine.device, model=path,
+                      variant=_variant_name(engine), launches_per_token_declared=engine.launches_per_token,
+                      stats={"prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+                             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+                             "prefill_tok_s": stats.prefill_tok_s, "decode_tok_s": stats.decode_tok_s},
+                      profiler=result.to_dict())
+    print(f"profile written to {write_json(dest, report)}", file=log)
+
+
+def _variant_name(engine: Engine) -> str:
+    from tornado_moe.tools.variants import Variant
+
+    o = engine.options
+    return Variant(o.fuse_experts, o.cuda_graphs, o.route).name

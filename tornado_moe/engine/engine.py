@@ -133,6 +133,23 @@ class Engine:
         self._execute()
         return int(self.act.tokens[0].item())
 
+    def feed_traced(self, token: int, after_graph: Callable[[int, ImmutableTaskGraph], None]) -> int:
+        """feed(), launched eagerly task by task, calling ``after_graph(index, graph)`` after each graph.
+
+        For diagnostics (tornado-moe determinism hashes the residual stream after every layer graph): the
+        same kernels in the same order as a plan execution, never a CUDA-graph replay.
+        """
+        self._check_room(1)
+        if not 0 <= token < self.config.vocab:
+            raise InputError(f"token id {token} is outside the vocabulary (0..{self.config.vocab - 1})")
+        self.act.tokens[0] = token
+        for gi, graph in enumerate(self.plan.graphs):
+            for ti in range(graph.launch_count):
+                self.plan.execute_task(gi, ti)
+            after_graph(gi, graph)
+        self.position += 1
+        return int(self.act.tokens[0].item())
+
     def last_logits(self) -> torch.Tensor:
         return self.act.logits[0]
 

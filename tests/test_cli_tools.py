@@ -1,0 +1,332 @@
+"""``tornado-moe determinism``, ``profile`` and ``bench``: exit codes, JSON schemas, error lines.
+
+The determinism checker must be able to fail: with ``--vary-seed`` its two sampled runs really differ, and
+the step it reports must be the first index where the token lists differ, computed here from two engines
+driven directly. Digests are recomputed here from the engine's own tokens and logits rows. Profile launch
+counts must equal what the task graphs declare (per-slot: 2 * top_k routed launches per layer; fused: 2),
+and its byte counts must match the GGUF tensors' sizes (routed experts: top_k / n_experts of the stack).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import GPU
+
+from tornado_moe.cli.main import SUBCOMMANDS, main
+from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
+from tornado_moe.model.gguf_model import load_model
+
+PROMPT = "3,1,4,1,5,9"
+PROMPT_IDS = [3, 1, 4, 1, 5, 9]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_error_line(err: str, cmd: str, *fragments: str) -> None:
+    """One error line, the last one on stderr (progress lines may precede it), and no traceback."""
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    errors = [ln for ln in lines if ln.startswith(f"tornado-moe {cmd}: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    for f in fragments:
+        assert f in errors[0], (f, errors[0])
+
+
+def check_run_info(report: dict) -> None:
+    for key, typ in (("command", str), ("date", str), ("git_commit", str), ("device", str), ("gpu_name", str),
+                     ("model", str), ("torch_version", str)):
+        assert isinstance(report[key], typ), key
+    assert report["command"].startswith("tornado-moe ")
+    assert report["date"].endswith("Z") and len(report["date"]) == 20
+    assert report["git_commit"] == "unknown" or len(report["git_commit"]) == 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path: Path):
+    return load_model(tiny_model_path)
+
+
+# ---- determinism ----------------------------------------------------------------------------------------
+
+GREEDY = SamplerConfig()
+
+
+def _engine_trace(model, n: int, sampler: SamplerConfig = GREEDY, **opts) -> tuple[list[int], str]:
+    h = hashlib.sha256()
+    tokens, _ = Engine(model, EngineOptions(device="cpu", sampler=sampler, **opts)).generate(
+        PROMPT_IDS, n, on_logits=lambda row: h.update(row.cpu().numpy().astype("<f4").tobytes()))
+    return tokens, h.hexdigest()
+
+
+def test_determinism_identical_runs_and_fused_vs_per_slot(tiny_model_path: Path, tiny, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "det.json"
+    rc, out, err = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cpu",
+                           "--runs", "2", "-n", "6", "--prompt-ids", PROMPT, "--compare", "fused,per-slot",
+                           "--json", str(out_json))
+    assert rc == 0, err
+    assert "identical" in out
+    report = json.loads(out_json.read_text())
+    check_run_info(report)
+    assert report["identical"] is True and report["divergence"] is None and report["mismatches"] == []
+    assert report["variants"] == ["fused/eager/torch", "per-slot/eager/torch"]
+    assert [(r["variant"], r["run"]) for r in report["runs"]] == [
+        ("fused/eager/torch", 0), ("fused/eager/torch", 1), ("per-slot/eager/torch", 0),
+        ("per-slot/eager/torch", 1)]
+    tokens, logits_sha = _engine_trace(tiny, 6)
+    tokens_sha = hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+    for r in report["runs"]:
+        assert set(r) >= {"variant", "run", "tokens_sha256", "logits_sha256", "n_tokens"}
+        assert isinstance(r["run"], int) and isinstance(r["n_tokens"], int)
+        assert r["n_tokens"] == 6 and r["tokens"] == tokens
+        assert r["tokens_sha256"] == tokens_sha and r["logits_sha256"] == logits_sha
+
+
+def test_determinism_reports_the_first_diverging_step(tiny_model_path: Path, tiny, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--vary-seed: run i samples with seed + i. Prefer a seed whose two runs agree for a few steps first."""
+    n = 8
+
+    def sampler(seed: int) -> SamplerConfig:
+        return SamplerConfig(temperature=0.7, top_p=0.9, top_k=4, seed=seed)
+
+    chosen = None
+    for seed in range(40):
+        a, _ = _engine_trace(tiny, n, sampler(seed))
+        b, _ = _engine_trace(tiny, n, sampler(seed + 1))
+        diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if diff is not None and (chosen is None or diff > chosen[1]):
+            chosen = (seed, diff)
+        if chosen is not None and chosen[1] >= 2:
+            break
+    assert chosen is not None, "no seed pair gives different samples: the sampler ignores its seed"
+    seed, first_diff = chosen
+    out_json = tmp_path / "det.json"
+    rc, out, err = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cpu",
+                           "--runs", "2", "-n", str(n), "--prompt-ids", PROMPT, "--temperature", "0.7",
+                           "--top-p", "0.9", "--top-k", "4", "--seed", str(seed), "--vary-seed",
+                           "--json", str(out_json))
+    assert rc == 1, err
+    assert "DIFFERENT" in out
+    report = json.loads(out_json.read_text())
+    assert report["identical"] is False
+    d = report["divergence"]
+    assert set(d) >= {"variants", "step", "layer"}
+    assert d["step"] == first_diff and report["mismatches"][0]["step"] == first_diff
+    assert d["kind"] == "tokens" and d["graph"] == "sampler" and d["layer"] is None
+    assert [r["seed"] for r in report["runs"]] == [seed, seed + 1]
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "text_prompt", "graphs_on_cpu", "bad_variant",
+                                  "too_long"])
+def test_determinism_bad_input(case: str, tiny_model_path: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = tmp_path / "g.gguf"
+    garbage.write_bytes(b"\0" * 1000)
+    tiny = str(tiny_model_path)
+    argv, frags = {
+        "missing": (["--model", str(tmp_path / "none.gguf")], ["none.gguf"]),
+        "garbage": (["--model", str(garbage)], ["g.gguf"]),
+        "text_prompt": (["--model", tiny, "--prompt", "hello"], ["no tokenizer"]),
+        "graphs_on_cpu": (["--model", tiny, "--compare", "graphs,eager"], ["graphs", "cuda"]),
+        "bad_variant": (["--model", tiny, "--compare", "fused,turbo"], ["turbo"]),
+        "too_long": (["--model", tiny, "--prompt-ids", ",".join(["2"] * 20), "--max-context", "16"],
+                     ["16"]),
+    }[case]
+    rc, _, err = run_cli(capsys, "determinism", "--device", "cpu", "--runs", "1", "-n", "2", *argv)
+    assert rc == 2
+    assert_error_line(err, "determinism", *frags)
+
+
+@pytest.mark.java
+def test_determinism_torch_vs_java_route(tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tornado_moe.routes.java_route")
+    rc, out, err = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cpu",
+                           "--runs", "1", "-n", "4", "--prompt-ids", PROMPT, "--compare", "torch,java")
+    assert rc == 0, err + out
+
+
+# ---- profile --------------------------------------------------------------------------------------------
+
+def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    js, png = tmp_path / "p.json", tmp_path / "p.png"
+    rc, out, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", "-n", "3",
+                           "--prompt-ids", "1,2", "--variants", "fused,per-slot", "--repeats", "2",
+                           "--json", str(js), "--png", str(png))
+    assert rc == 0, err
+    assert "routed_experts_gate_up_swiglu" in out and "routed_expert_gate_up" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(js.read_text())
+    check_run_info(report)
+    assert report["copy_bandwidth_gb_s"] > 0
+    cfg = tiny.config
+    k, E = cfg.top_k, cfg.n_experts
+    def nbytes(name: str) -> int:
+        return tiny.tensor(f"blk.0.{name}.weight").nbytes
+
+    gate_up = nbytes("ffn_gate_exps") + nbytes("ffn_up_exps")
+    down = nbytes("ffn_down_exps")
+    sh_gate_up = nbytes("ffn_gate_shexp") + nbytes("ffn_up_shexp")
+    q_bytes = nbytes("attn_q") + 4 * cfg.n_heads * cfg.head_dim  # + the F32 bias
+    by_variant = {v["variant"]: v for v in report["variants"]}
+    assert set(by_variant) == {"fused/eager/torch", "per-slot/eager/torch"}
+    for name, fused in (("fused/eager/torch", True), ("per-slot/eager/torch", False)):
+        v = by_variant[name]
+        engine = Engine(tiny, EngineOptions(device="cpu", fuse_experts=fused))
+        assert v["launches_per_token_declared"] == engine.launches_per_token
+        assert v["launches_per_token_measured"] == engine.launches_per_token
+        assert v["launch_counts_agree"] is True and v["launch_mismatches"] == []
+        assert v["steps"] == 2 + 3 - 1
+        routed = 2 if fused else 2 * k
+        assert v["routed_launches_per_layer_declared"] == routed
+        layers = [g for g in v["graphs"] if g["graph"].startswith("layer")]
+        assert len(layers) == cfg.n_layers
+        for g, eg in zip(layers, engine.graphs[1:-1], strict=True):
+            assert g["launches_declared"] == g["launches_measured"] == eg.launch_count
+            assert g["routed_launches_declared"] == routed
+        tasks = {(t["graph"], t["task"]): t for t in v["tasks"]}
+        assert all(t["launches_measured"] == 1 for t in v["tasks"])
+        assert all(isinstance(t["time_us"], float) and t["time_us"] > 0 for t in v["tasks"])
+        assert tasks[("layer0", "attn_q")]["weight_bytes"] == q_bytes
+        assert tasks[("layer0", "shared_expert_gate_up")]["weight_bytes"] == sh_gate_up
+        if fused:
+            assert tasks[("layer0", "routed_experts_gate_up_swiglu")]["weight_bytes"] == pytest.approx(
+                gate_up * k / E)
+            assert tasks[("layer0", "routed_experts_down_accumulate")]["weight_bytes"] == pytest.approx(
+                down * k / E)
+        else:
+            for s in range(k):
+                assert tasks[("layer0", f"routed_expert_gate_up_{s}")]["weight_bytes"] == pytest.approx(
+                    gate_up / E)
+        kinds = {b["kind"] for b in v["by_kind"]}
+        assert ("routed_experts_gate_up_swiglu" in kinds) == fused
+        assert ("routed_expert_gate_up" in kinds) != fused
+
+
+@pytest.mark.parametrize("variants,frags", [("graphs", ["graphs", "cuda"]), ("fused,bogus", ["bogus"])])
+def test_profile_bad_variants(variants: str, frags: list[str], tiny_model_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", "--variants",
+                         variants)
+    assert rc == 2
+    assert_error_line(err, "profile", *frags)
+
+
+# ---- bench ----------------------------------------------------------------------------------------------
+
+BENCH_VARIANT_KEYS = {"variant": str, "decode_tok_s_median": float, "decode_tok_s_runs": list,
+                      "prefill_tok_s_median": float, "launches_per_token": int, "decode_tok_s_min": float,
+                      "decode_tok_s_max": float, "decode_tok_s_stdev": float, "fuse_experts": bool,
+                      "cuda_graphs": bool, "route": str}
+
+
+def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                           ) -> None:
+    js = tmp_path / "b.json"
+    rc, out, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "4",
+                           "--prompt-tokens", "5", "--repeats", "2", "--compare", "fused,per-slot", "--json",
+                           str(js))
+    assert rc == 0, err
+    report = json.loads(js.read_text())
+    check_run_info(report)
+    assert (report["repeats"], report["warmup"]) == (2, 1)
+    assert (report["prompt_tokens"], report["max_tokens"]) == (5, 4)
+    assert report["tokens_identical_across_variants"] is True
+    assert [v["variant"] for v in report["variants"]] == ["fused/eager/torch", "per-slot/eager/torch"]
+    for v in report["variants"]:
+        for key, typ in BENCH_VARIANT_KEYS.items():
+            assert isinstance(v[key], typ), (key, v[key])
+        assert len(v["decode_tok_s_runs"]) == 2 and all(x > 0 for x in v["decode_tok_s_runs"])
+        assert v["decode_tok_s_min"] <= v["decode_tok_s_median"] <= v["decode_tok_s_max"]
+        engine = Engine(tiny, EngineOptions(device="cpu", fuse_experts=v["fuse_experts"]))
+        assert v["launches_per_token"] == engine.launches_per_token
+    assert "decode tok/s" in out
+
+
+def test_bench_preset_is_written_to_the_cache_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TORNADO_MOE_CACHE", str(tmp_path / "cache"))
+    args = ["bench", "--preset", "tiny", "--device", "cpu", "-n", "2", "--repeats", "1", "--warmup", "0"]
+    rc, _, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    (cached,) = (tmp_path / "cache").glob("*tiny*.gguf")
+    stamp = cached.stat().st_mtime_ns
+    assert run_cli(capsys, *args)[0] == 0
+    assert cached.stat().st_mtime_ns == stamp
+
+
+def test_bench_needs_two_tokens(tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "1")
+    assert rc == 2
+    assert_error_line(err, "bench", "-n")
+
+
+# ---- the command itself ---------------------------------------------------------------------------------
+
+def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    top = capsys.readouterr().out
+    for cmd in SUBCOMMANDS:
+        assert cmd in top
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: tornado-moe {cmd}")
+    assert {"generate", "determinism", "profile", "bench", "synth"} <= set(SUBCOMMANDS)
+
+
+def test_run_info_is_shared_by_every_report(tmp_path: Path) -> None:
+    from tornado_moe.tools.run_info import run_info
+
+    info = run_info(["bench", "--json", "a b.json"], "cpu", model=tmp_path / "m.gguf", extra=1)
+    assert info["command"] == "tornado-moe bench --json 'a b.json'"
+    assert info["gpu_name"] == "cpu" and info["device"] == "cpu" and info["extra"] == 1
+    assert info["torch_version"] == torch.__version__
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_path: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "p.json"
+    rc, out, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cuda", "-n", "4",
+                           "--variants", "fused,per-slot,eager,graphs", "--json", str(js))
+    assert rc == 0, out + err
+    report = json.loads(js.read_text())
+    assert report["gpu_name"] == torch.cuda.get_device_name()
+    for v in report["variants"]:
+        assert v["launch_counter"].startswith("torch.profiler")
+        assert v["kernels_per_traced_step"] == [v["launches_per_token_declared"]] * 3
+        assert v["launch_counts_agree"] is True
+        assert all(t["kernel_time_us"] and t["kernel_time_us"] > 0 for t in v["tasks"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_determinism_and_bench_across_graphs(tiny_model_path: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cuda",
+                           "--runs", "2", "-n", "8", "--compare", "fused,per-slot,eager,graphs")
+    assert rc == 0, out + err
+    js = tmp_path / "b.json"
+    rc, out, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cuda", "-n", "8",
+                           "--repeats", "2", "--compare", "eager,graphs", "--json", str(js))
+    assert rc == 0, err
+    report = json.loads(js.read_text())
+    assert report["tokens_identical_across_variants"] is True
+    assert {v["variant"] for v in report["variants"]} == {"fused/eager/torch", "fused/graphs/torch"}

@@ -1,0 +1,245 @@
+"""``tornado-moe determinism``: the same prompt and seed, run after run and variant after variant, must give
+bitwise identical tokens and logits.
+
+Each run records the generated token ids and every step's logits row (float32, copied to the host as the
+engine produces it) and reduces them to two sha256 digests: tokens (int32 little-endian bytes) and logits
+(all rows' bytes concatenated in step order). Every run is compared with the first run of the first variant.
+
+On a difference, the run pair that diverges earliest is localized: its first diverging step (the first step
+whose token or logits row differs), then, by re-running both sides eagerly token by token over the common
+prefix with the residual stream hashed after every graph (:meth:`Engine.feed_traced`), the first position
+and layer whose hidden state differs. When hidden states and logits agree but tokens differ, the sampler is
+the cause (e.g. different seeds); when nothing differs eagerly, the difference comes from the variant's
+execution mode (a CUDA-graph replay) and does not reproduce eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tornado_moe.tools.variants import Variant
+
+__all__ = ["RunTrace", "tokens_digest", "run_variants", "first_divergence", "localize", "check_determinism",
+           "format_report"]
+
+
+def _row_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """sha256 of the token ids as little-endian int32."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+@dataclass
+class RunTrace:
+    """One generation: its tokens, each step's logits digest and the two whole-run digests."""
+
+    variant: Variant
+    run: int
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    step_digests: list[str] = field(default_factory=list)
+    logits_sha256: str = ""
+
+    @property
+    def tokens_sha256(self) -> str:
+        return tokens_digest(self.tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant.name, "run": self.run, "seed": self.seed,
+                "tokens_sha256": self.tokens_sha256, "logits_sha256": self.logits_sha256,
+                "n_tokens": len(self.tokens), "tokens": list(self.tokens)}
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _engine(model: Any, variant: Variant, device: str, sampler: Any, max_context: int | None) -> Any:
+    from tornado_moe.engine import Engine
+
+    return Engine(model, variant.engine_options(device, sampler=sampler, max_context=max_context))
+
+
+def run_variants(model: Any, variants: Sequence[Variant], device: str, prompt_ids: Sequence[int],
+                 n_tokens: int, sampler: Any, runs: int, *, vary_seed: bool = False,
+                 max_context: int | None = None, progress: Callable[[str], None] | None = None
+                 ) -> list[RunTrace]:
+    """``runs`` generations per variant. One engine per variant (reset between runs), built and closed one at
+    a time; with ``vary_seed`` run i samples with seed + i, which needs an engine per run."""
+    import dataclasses
+
+    traces: list[RunTrace] = []
+    for v in variants:
+        engine = None
+        engine_seed = None
+        try:
+            for r in range(runs):
+                seed = sampler.seed + (r if vary_seed else 0)
+                if engine is None or seed != engine_seed:
+                    if engine is not None:
+                        engine.close()
+                        engine = None
+                        _free_device_memory()
+                    engine = _engine(model, v, device, dataclasses.replace(sampler, seed=seed), max_context)
+                    engine_seed = seed
+                else:
+                    engine.reset()
+                if progress is not None:
+                    progress(f"{v.name}: run {r} (seed {seed})")
+                tr = RunTrace(v, r, seed)
+                h = hashlib.sha256()
+
+                def on_logits(row: torch.Tensor, tr: RunTrace = tr, h: Any = h) -> None:
+                    b = _row_bytes(row)
+                    h.update(b)
+                    tr.step_digests.append(hashlib.sha256(b).hexdigest())
+
+                tr.tokens, _ = engine.generate(prompt_ids, n_tokens, on_logits=on_logits)
+                tr.logits_sha256 = h.hexdigest()
+                traces.append(tr)
+        finally:
+            if engine is not None:
+                engine.close()
+            del engine
+            _free_device_memory()
+    return traces
+
+
+def first_divergence(a: RunTrace, b: RunTrace) -> tuple[int, str] | None:
+    """(first step whose token or logits row differs, "logits" or "tokens"), or None if identical."""
+    n = min(len(a.tokens), len(b.tokens))
+    for s in range(n):
+        if a.step_digests[s] != b.step_digests[s]:
+            return s, "logits"
+        if a.tokens[s] != b.tokens[s]:
+            return s, "tokens"
+    if len(a.tokens) != len(b.tokens):
+        return n, "length"
+    return None
+
+
+def _hidden_trace(model: Any, variant: Variant, device: str, sampler: Any, max_context: int | None,
+                  fed: Sequence[int]) -> tuple[list[list[str]], list[int], list[str]]:
+    """Eager, task by task: per position, the digest after every graph (residual stream x after the
+    embedding and each layer graph, the logits row after the logits graph), and the chosen next tokens."""
+    eager = Variant(variant.fuse_experts, cuda_graphs=False, route=variant.route)
+    engine = _engine(model, eager, device, sampler, max_context)
+    names = [g.name for g in engine.plan.graphs]
+    last = len(names) - 1
+    act = engine.act
+    digests: list[list[str]] = []
+    nxt: list[int] = []
+    try:
+        for tok in fed:
+            row: list[str] = []
+
+            def after(gi: int, _g: Any, row: list[str] = row) -> None:
+                buf = act.logits[0] if gi == last else act.x[0]
+                row.append(hashlib.sha256(_row_bytes(buf)).hexdigest())
+
+            nxt.append(engine.feed_traced(tok, after))
+            digests.append(row)
+    finally:
+        engine.close()
+    return digests, nxt, names
+
+
+def localize(model: Any, a: RunTrace, b: RunTrace, step: int, kind: str, prompt_ids: Sequence[int],
+             device: str, sampler: Any, max_context: int | None) -> dict[str, Any]:
+    """The first (position, graph) whose hidden state differs between the two runs' eager replays."""
+    import dataclasses
+
+    fed = list(prompt_ids) + a.tokens[:step]  # identical on both sides up to the diverging step
+    da, na, names = _hidden_trace(model, a.variant, device, dataclasses.replace(sampler, seed=a.seed),
+                                  max_context, fed)
+    _free_device_memory()  # the first side's engine is unreferenced now: one engine at a time
+    db, nb, _ = _hidden_trace(model, b.variant, device, dataclasses.replace(sampler, seed=b.seed),
+                              max_context, fed)
+    _free_device_memory()
+    out: dict[str, Any] = {"variants": [a.variant.name, b.variant.name], "runs": [a.run, b.run],
+                           "step": step, "kind": kind, "step_position": len(fed) - 1,
+                           "position": None, "layer": None, "graph": None}
+    for p, (ra, rb) in enumerate(zip(da, db, strict=True)):
+        for gi, (ha, hb) in enumerate(zip(ra, rb, strict=True)):
+            if ha != hb:
+                name = names[gi]
+                out.update(position=p, graph=name,
+                           layer=int(name[5:]) if name.startswith("layer") and name[5:].isdigit() else None)
+                where = f"layer {out['layer']}" if out["layer"] is not None else f"the {name} graph"
+                out["note"] = (f"the hidden state first differs after {where} at position {p}" +
+                               (" (an earlier position: its KV-cache rows feed the diverging step)"
+                                if p < len(fed) - 1 else ""))
+                return out
+    if na[-1] != nb[-1]:  # tokens sampled at prompt positions are discarded: only the step's own counts
+        out.update(position=len(fed) - 1, graph="sampler",
+                   note="hidden states and logits are identical; the sampled token differs (sampler seed)")
+        return out
+    out["note"] = ("no difference when both sides re-run eagerly task by task: the divergence comes from the "
+                   "execution mode (e.g. a CUDA-graph replay) or is not reproducible")
+    return out
+
+
+def check_determinism(model: Any, variants: Sequence[Variant], device: str, prompt_ids: Sequence[int],
+                      n_tokens: int, sampler: Any, runs: int, *, vary_seed: bool = False,
+                      max_context: int | None = None, progress: Callable[[str], None] | None = None
+                      ) -> dict[str, Any]:
+    """The determinism report body (without run metadata): runs, identical, mismatches, divergence."""
+    traces = run_variants(model, variants, device, prompt_ids, n_tokens, sampler, runs, vary_seed=vary_seed,
+                          max_context=max_context, progress=progress)
+    ref = traces[0]
+    mismatches = []
+    for tr in traces[1:]:
+        d = first_divergence(ref, tr)
+        if d is not None:
+            mismatches.append({"variant": tr.variant.name, "run": tr.run, "step": d[0], "kind": d[1],
+                               "_t": tr})
+    divergence = None
+    if mismatches:
+        worst = min(mismatches, key=lambda m: m["step"])  # earliest; ties: first in run order
+        if progress is not None:
+            progress(f"localizing the divergence at step {worst['step']} (eager re-runs, task by task)")
+        divergence = localize(model, ref, worst["_t"], worst["step"], worst["kind"], prompt_ids, device,
+                              sampler, max_context)
+    for m in mismatches:
+        del m["_t"]
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "max_tokens": n_tokens,
+        "temperature": sampler.temperature, "top_p": sampler.top_p, "top_k": sampler.top_k,
+        "seed": sampler.seed, "vary_seed": vary_seed,
+        "variants": [v.name for v in variants],
+        "runs": [t.as_dict() for t in traces],
+        "identical": not mismatches,
+        "mismatches": mismatches,
+        "divergence": divergence,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{'variant':<22} {'run':>3} {'seed':>6} {'tokens sha256':<18} {'logits sha256':<18} {'n':>5}"]
+    for r in report["runs"]:
+        lines.append(f"{r['variant']:<22} {r['run']:>3} {r['seed']:>6} {r['tokens_sha256'][:16]:<18} "
+                     f"{r['logits_sha256'][:16]:<18} {r['n_tokens']:>5}")
+    if report["identical"]:
+        n = len(report["runs"])
+        lines.append(f"identical: all {n} runs give bitwise identical tokens and logits")
+        return "\n".join(lines)
+    for m in report["mismatches"]:
+        lines.append(f"DIFFERENT: {m['variant']} run {m['run']} diverges from the first run at step "
+                     f"{m['step']} ({m['kind']})")
+    d = report["divergence"]
+    lines.append(f"first divergence: {d['variants'][0]} run {d['runs'][0]} vs {d['variants'][1]} run "
+                 f"{d['runs'][1]}, step {d['step']} ({d['kind']}), layer {d['layer']}: {d.get('note', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,455 @@
+"""``tornado-moe profile``: launches per layer and per token, kernel time and bytes per task, per variant.
+
+For each variant (fused / per-slot experts, eager / CUDA graph, torch / Java route) the same prompt and
+decode steps run through one Engine with the plan's profiler on:
+
+- launches, as the task graphs declare them (``ImmutableTaskGraph.launch_count``,
+  ``ExecutionPlan.launches_per_execution``) and as measured: on a GPU by ``torch.profiler`` (CUDA kernel
+  events of a few decode steps, one event per kernel node of a graph replay, kernels from any library
+  including JNI), on the CPU by the route's own counter (the ProfilerResult). Declared and measured must
+  agree; the report names each task where they do not;
+- time per task: the plan profiler's per-launch timing in eager mode (device events on CUDA, the host clock
+  on CPU) and, on a GPU, torch.profiler's kernel durations (the only per-task times inside a graph replay);
+- bytes per task from the task arguments (:mod:`tornado_moe.tools.traffic`) and the achieved GB/s against
+  the machine's copy bandwidth measured in the same run (:func:`copy_bandwidth_gb_s`).
+
+The first generation of each variant is a warm-up (module loading, CUDA-graph capture); the profile is the
+difference of the profiler counters over the following identical generations (``repeats``), each task's
+time being its fastest run's (a launch preempted on a busy host does not skew the table).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tornado_moe.graph.profiler import ProfilerResult
+from tornado_moe.tools.traffic import ARG_NAMES, task_bytes
+from tornado_moe.tools.variants import Variant
+
+__all__ = [
+    "task_kind",
+    "graph_kind",
+    "profiler_summary_table",
+    "copy_bandwidth_gb_s",
+    "profile_variant",
+    "profile_model",
+    "format_report",
+    "plot_report",
+]
+
+_SLOT_SUFFIX = re.compile(r"_\d+$")
+_LAYER = re.compile(r"^layer\d+$")
+
+
+def task_kind(task: str) -> str:
+    """A task's name without its slot index: ``routed_expert_gate_up_3`` -> ``routed_expert_gate_up``."""
+    return _SLOT_SUFFIX.sub("", task)
+
+
+def graph_kind(graph: str) -> str:
+    """``layer17`` -> ``layer``; other graph names unchanged."""
+    return "layer" if _LAYER.match(graph) else graph
+
+
+def _is_routed(kernel: str, args: Sequence[Any]) -> bool:
+    """A routed-expert launch: an expert kernel that reads per-token expert ids (shared/dense FFNs do not)."""
+    if kernel not in ("moe_gate_up", "moe_down_accumulate"):
+        return False
+    return dict(zip(ARG_NAMES[kernel], args, strict=True))["ids"] is not None
+
+
+# ---- the per-run table of `generate --profiler` -----------------------------------------------------------
+
+def profiler_summary_table(result: ProfilerResult, launches_per_token: int) -> str:
+    """Per-task launches and time summed over layers (``layer*/attn_q`` is one row), plus totals."""
+    agg: dict[tuple[str, str], list[float]] = {}
+    for r in result.rows:
+        key = (graph_kind(r.graph), task_kind(r.task))
+        a = agg.setdefault(key, [0, 0.0, 0])
+        a[0] += r.launches
+        a[1] += r.time_ns
+    steps = result.kernel_count / launches_per_token if launches_per_token else 0
+    total_ns = sum(a[1] for a in agg.values()) or 1
+    lines = ["profiler: per task, summed over layers",
+             f"{'graph':<10} {'task':<34} {'launches':>9} {'per token':>9} {'time ms':>10} {'us/token':>10} "
+             f"{'share':>6}"]
+    for (g, t), (launches, ns, _) in agg.items():
+        per_tok = launches / steps if steps else 0
+        us_tok = ns / 1e3 / steps if steps else 0
+        lines.append(f"{g:<10} {t:<34} {launches:>9} {per_tok:>9.1f} {ns / 1e6:>10.3f} {us_tok:>10.1f} "
+                     f"{100 * ns / total_ns:>5.1f}%")
+    lines.append(f"steps: {steps:.0f}, kernel launches: {result.kernel_count} "
+                 f"({launches_per_token} per token declared by the task graphs), "
+                 f"timed launches: {sum(r.time_ns for r in result.rows) / 1e6:.3f} ms")
+    if result.graph_replays:
+        per_step = result.graph_replay_ns / 1e3 / result.graph_replays
+        lines.append(f"CUDA graph replays: {result.graph_replays}, {result.graph_replay_ns / 1e6:.3f} ms "
+                     f"({per_step:.1f} us per step; kernels inside a replay are not timed one by one: use "
+                     "`tornado-moe profile` for per-kernel times)")
+    return "\n".join(lines)
+
+
+# ---- machine copy bandwidth -------------------------------------------------------------------------------
+
+def copy_bandwidth_gb_s(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GB/s of one large copy, counting read + write bytes (2 x size).
+
+    CUDA: a device-to-device ``copy_`` of 1 GiB (or a quarter of the free memory), timed with device events.
+    CPU: a ``copy_`` of 256 MiB, timed with the host clock. This is the practical ceiling a memory-bound
+    kernel can reach on this machine, measured in the same run as the kernels it is compared with.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        n = nbytes or min(1 << 30, free // 4)
+        src = torch.ones(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+    else:
+        n = nbytes or (256 << 20)
+        src = torch.ones(n, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+    return 2 * n / best / 1e9
+
+
+# ---- CUDA kernel events (torch.profiler) ------------------------------------------------------------------
+
+@dataclass
+class _StepTrace:
+    """The CUDA kernels of one decode step, in start order, and the kernels each torch op launched."""
+
+    kernels: list[tuple[str, float]]  # (name, duration us)
+    op_kernels: list[tuple[int, float]] = field(default_factory=list)  # per tornado_moe op: (count, us)
+
+
+def _is_kernel_name(name: str) -> bool:
+    """Device activities that are not kernel launches: copies, memsets, synchronization records."""
+    return not (name.startswith(("Memcpy", "Memset")) or "Sync" in name)
+
+
+def _is_kernel(evt: Any) -> bool:
+    from torch.autograd import DeviceType
+
+    return evt.device_type == DeviceType.CUDA and _is_kernel_name(evt.name)
+
+
+def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
+    """Runs ``steps`` decode steps, each under its own torch.profiler session."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    traces = []
+    for _ in range(steps):
+        torch.cuda.synchronize(engine.device)
+        with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": intended here
+            warnings.simplefilter("ignore", UserWarning)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.decode_next()
+                torch.cuda.synchronize(engine.device)
+        events = list(prof.events())
+        kernels = sorted((e for e in events if _is_kernel(e)), key=lambda e: e.time_range.start)
+        ops = sorted((e for e in events
+                      if e.device_type == DeviceType.CPU and e.name.startswith("tornado_moe::")),
+                     key=lambda e: e.time_range.start)
+        traces.append(_StepTrace(
+            kernels=[(e.name, e.time_range.elapsed_us()) for e in kernels],
+            op_kernels=[(sum(1 for k in o.kernels if _is_kernel_name(k.name)),
+                         float(sum(k.duration for k in o.kernels if _is_kernel_name(k.name)))) for o in ops]))
+    return traces
+
+
+def _attribute(traces: list[_StepTrace], n_tasks: int) -> tuple[list[float] | None, list[float] | None, str]:
+    """Per-task (launches, kernel us) averaged over the traced steps, or None where it cannot be attributed.
+
+    Eager torch route: each task is one ``tornado_moe::<kernel>`` op and the profiler links the kernels it
+    launched to it, so counts are exact per task. Otherwise (graph replays, the Java route) kernels are
+    assigned in start order, one per task, which is only valid when the totals agree.
+    """
+    per_task_n = [0.0] * n_tasks
+    per_task_us = [0.0] * n_tasks
+    how = "op-linked"
+    for tr in traces:
+        if len(tr.op_kernels) == n_tasks:
+            for i, (c, us) in enumerate(tr.op_kernels):
+                per_task_n[i] += c
+                per_task_us[i] += us
+        elif len(tr.kernels) == n_tasks:
+            how = "start order"
+            for i, (_, us) in enumerate(tr.kernels):
+                per_task_n[i] += 1
+                per_task_us[i] += us
+        else:
+            return None, None, "unattributed"
+    s = len(traces)
+    return [c / s for c in per_task_n], [us / s for us in per_task_us], how
+
+
+# ---- one variant ------------------------------------------------------------------------------------------
+
+def _snapshot(result: ProfilerResult) -> tuple[dict[tuple[str, str], tuple[int, int]], int, int]:
+    rows = {(r.graph, r.task): (r.launches, r.time_ns) for r in result.rows}
+    return rows, result.graph_replays, result.graph_replay_ns
+
+
+def profile_variant(model: Any, variant: Variant, device: str, prompt_ids: Sequence[int], n_tokens: int, *,
+                    copy_gb_s: float, cuda_steps: int = 3, repeats: int = 3, max_context: int | None = None
+                    ) -> dict[str, Any]:
+    """Profile one variant (see the module docstring); returns its report entry."""
+    from tornado_moe.engine import Engine
+
+    engine = Engine(model, variant.engine_options(device, profiler=True, max_context=max_context))
+    try:
+        return _profile_engine(engine, variant, list(prompt_ids), n_tokens, copy_gb_s, cuda_steps, repeats)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_tokens: int, copy_gb_s: float,
+                    cuda_steps: int, repeats: int) -> dict[str, Any]:
+    plan = engine.plan
+    tasks = [(gi, g, t) for gi, g in enumerate(plan.graphs) for t in g.tasks]
+    engine.generate(prompt_ids, n_tokens)  # warm-up (and CUDA-graph capture)
+    counted: list[float] = []
+    timed_us: list[float] = []
+    replay_us: float | None = None
+    wall_s = float("inf")
+    steps = 0
+    # Identical runs; per task the fastest run's time counts (robust to a preempted launch on a busy host).
+    for _ in range(max(repeats, 1)):
+        rows0, rep0, rep_ns0 = _snapshot(plan.profiler_result())
+        engine.reset()
+        _, stats = engine.generate(prompt_ids, n_tokens)
+        rows1, rep1, rep_ns1 = _snapshot(plan.profiler_result())
+        steps = len(prompt_ids) + stats.generated_tokens - 1
+        wall_s = min(wall_s, stats.prefill_s + stats.decode_s)
+        delta = [(rows1[(g.name, t.name)][0] - rows0.get((g.name, t.name), (0, 0))[0],
+                  rows1[(g.name, t.name)][1] - rows0.get((g.name, t.name), (0, 0))[1]) for _, g, t in tasks]
+        counted = [n / steps for n, _ in delta]
+        us = [ns / 1e3 / steps for _, ns in delta]
+        timed_us = us if not timed_us else [min(a, b) for a, b in zip(timed_us, us, strict=True)]
+        if rep1 > rep0:
+            r_us = (rep_ns1 - rep_ns0) / 1e3 / steps
+            replay_us = r_us if replay_us is None else min(replay_us, r_us)
+    context = (steps + 1) / 2  # mean KV rows attention reads over positions 0..steps-1
+
+    on_gpu = engine.device.type == "cuda"
+    kernel_n = kernel_us = None
+    attribution = None
+    traced_per_step: list[int] = []
+    if on_gpu and cuda_steps > 0:
+        engine.reset()
+        engine.generate(prompt_ids, 1)  # prefill; the traced steps are pure decode steps
+        traces = _trace_cuda_steps(engine, cuda_steps)
+        traced_per_step = [len(tr.kernels) for tr in traces]
+        kernel_n, kernel_us, attribution = _attribute(traces, len(tasks))
+        measured = kernel_n if kernel_n is not None else None
+        counter = "torch.profiler (CUDA kernel events)"
+    else:
+        measured = counted
+        counter = "route counter (plan profiler; no CUDA device for torch.profiler)"
+
+    declared_total = plan.launches_per_execution
+    measured_total = statistics.mean(traced_per_step) if traced_per_step else sum(counted)
+    agree = abs(measured_total - declared_total) < 1e-9 and (
+        measured is None or all(abs(m - 1) < 1e-9 for m in measured))
+    mismatches: list[dict[str, Any]] = []
+    if measured is not None:
+        for (_, g, t), m in zip(tasks, measured, strict=True):
+            if abs(m - 1) > 1e-9:
+                mismatches.append({"graph": g.name, "task": t.name, "declared": 1, "measured": m})
+    elif abs(measured_total - declared_total) > 1e-9:
+        mismatches.append({"graph": "*", "task": "*", "declared": declared_total, "measured": measured_total,
+                           "note": "kernels per step differ from the declared launches; not attributable to "
+                                   "tasks (graph replay or Java route)"})
+
+    task_rows: list[dict[str, Any]] = []
+    for i, (_, g, t) in enumerate(tasks):
+        b = task_bytes(t, context)
+        time_us = timed_us[i] if timed_us[i] > 0 else None
+        k_us = kernel_us[i] if kernel_us is not None else None
+        best = k_us if k_us else time_us
+        gb_s = b.total / (best * 1e-6) / 1e9 if best else None
+        task_rows.append({
+            "graph": g.name, "task": t.name, "kernel": t.kernel, "kind": task_kind(t.name),
+            "routed": _is_routed(t.kernel, t.args),
+            "launches_declared": 1,
+            "launches_counted": counted[i],
+            "launches_measured": measured[i] if measured is not None else None,
+            "time_us": time_us, "kernel_time_us": k_us,
+            "weight_bytes": b.weights, "activation_bytes": b.activations, "bytes": b.total,
+            "gb_s": gb_s, "fraction_of_copy_bandwidth": gb_s / copy_gb_s if gb_s else None,
+        })
+
+    graphs = []
+    for gi, g in enumerate(plan.graphs):
+        idx = [i for i, (j, _, _) in enumerate(tasks) if j == gi]
+        graphs.append({
+            "graph": g.name,
+            "launches_declared": g.launch_count,
+            "launches_measured": sum(measured[i] for i in idx) if measured is not None else None,
+            "routed_launches_declared": sum(1 for t in g.tasks if _is_routed(t.kernel, t.args)),
+        })
+    layer_graphs = [x for x in graphs if graph_kind(x["graph"]) == "layer"]
+
+    by_kind: dict[str, dict[str, Any]] = {}
+    for r in task_rows:
+        k = by_kind.setdefault(r["kind"], {"kind": r["kind"], "launches": 0.0, "time_us": 0.0, "bytes": 0.0,
+                                           "weight_bytes": 0.0, "_timed": False})
+        k["launches"] += r["launches_measured"] if r["launches_measured"] is not None else 1
+        t_us = r["kernel_time_us"] or r["time_us"]
+        if t_us:
+            k["time_us"] += t_us
+            k["_timed"] = True
+        k["bytes"] += r["bytes"]
+        k["weight_bytes"] += r["weight_bytes"]
+    for k in by_kind.values():
+        timed = k.pop("_timed")
+        k["time_us"] = k["time_us"] if timed else None
+        k["gb_s"] = k["bytes"] / (k["time_us"] * 1e-6) / 1e9 if k["time_us"] else None
+        k["fraction_of_copy_bandwidth"] = k["gb_s"] / copy_gb_s if k["gb_s"] else None
+
+    total_bytes = sum(r["bytes"] for r in task_rows)
+    kernel_total = sum(r["kernel_time_us"] or 0 for r in task_rows) if kernel_us is not None else None
+    timed_total = sum(timed_us) or None
+    step_us = wall_s * 1e6 / steps
+    best_total = kernel_total or replay_us or timed_total
+    return {
+        **variant.as_dict(),
+        "steps": steps,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": stats.generated_tokens,
+        "launches_per_token_declared": declared_total,
+        "launches_per_token_measured": measured_total,
+        "launch_counter": counter,
+        "kernel_attribution": attribution,
+        "kernels_per_traced_step": traced_per_step,
+        "launch_counts_agree": agree,
+        "launch_mismatches": mismatches,
+        "routed_launches_per_layer_declared": (layer_graphs[0]["routed_launches_declared"]
+                                               if layer_graphs else 0),
+        "graphs": graphs,
+        "step_wall_us": step_us,
+        "graph_replay_us_per_token": replay_us,
+        "timed_launch_us_per_token": timed_total,
+        "kernel_time_us_per_token": kernel_total,
+        "weight_bytes_per_token": sum(r["weight_bytes"] for r in task_rows),
+        "bytes_per_token": total_bytes,
+        "achieved_gb_s": total_bytes / (best_total * 1e-6) / 1e9 if best_total else None,
+        "fraction_of_copy_bandwidth": (total_bytes / (best_total * 1e-6) / 1e9 / copy_gb_s
+                                       if best_total else None),
+        "floor_us_per_token": total_bytes / (copy_gb_s * 1e9) * 1e6,
+        "by_kind": list(by_kind.values()),
+        "tasks": task_rows,
+    }
+
+
+def profile_model(model: Any, variants: Sequence[Variant], device: torch.device, prompt_ids: Sequence[int],
+                  n_tokens: int, *, cuda_steps: int = 3, repeats: int = 3, max_context: int | None = None,
+                  progress: Any = None) -> dict[str, Any]:
+    """Copy bandwidth, then every variant one after the other (one engine alive at a time)."""
+    copy_gb_s = copy_bandwidth_gb_s(device)
+    out = []
+    for v in variants:
+        if progress is not None:
+            progress(f"profiling {v.name} ...")
+        out.append(profile_variant(model, v, device.type, prompt_ids, n_tokens, copy_gb_s=copy_gb_s,
+                                   cuda_steps=cuda_steps, repeats=repeats, max_context=max_context))
+    return {"copy_bandwidth_gb_s": copy_gb_s, "prompt_tokens": len(prompt_ids), "max_tokens": n_tokens,
+            "repeats": repeats, "variants": out}
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The terminal table: one block per variant, rows per task kind."""
+    bw = report["copy_bandwidth_gb_s"]
+    lines = [f"copy bandwidth (read + write) of this machine: {bw:.1f} GB/s"]
+    for v in report["variants"]:
+        agree = "agree" if v["launch_counts_agree"] else "DISAGREE"
+        pct = 100 * v["fraction_of_copy_bandwidth"] if v["fraction_of_copy_bandwidth"] else None
+        lines.append("")
+        lines.append(f"== {v['variant']}: {v['launches_per_token_declared']} launches/token declared, "
+                     f"{v['launches_per_token_measured']:.1f} measured by {v['launch_counter']} ({agree}); "
+                     f"routed launches per layer: {v['routed_launches_per_layer_declared']}")
+        for m in v["launch_mismatches"]:
+            lines.append(f"   mismatch: {m['graph']}/{m['task']}: declared {m['declared']}, measured "
+                         f"{m['measured']}")
+        lines.append(f"   per token: {v['bytes_per_token'] / 1e6:.3f} MB moved "
+                     f"(weights {v['weight_bytes_per_token'] / 1e6:.3f} MB), floor "
+                     f"{v['floor_us_per_token']:.1f} us at copy bandwidth; step wall (profiler on) "
+                     f"{v['step_wall_us']:.1f} us; kernels {_fmt(v['kernel_time_us_per_token'], '.1f')} us; "
+                     f"achieved {_fmt(v['achieved_gb_s'], '.1f')} GB/s ({_fmt(pct, '.1f')}% of copy)")
+        lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'MB/token':>10} {'GB/s':>9} "
+                     f"{'% copy':>7}")
+        for k in v["by_kind"]:
+            frac = k["fraction_of_copy_bandwidth"]
+            lines.append(f"   {k['kind']:<34} {k['launches']:>8.1f} {_fmt(k['time_us'], '10.1f'):>10} "
+                         f"{k['bytes'] / 1e6:>10.4f} {_fmt(k['gb_s'], '9.1f'):>9} "
+                         f"{_fmt(frac and 100 * frac, '7.1f'):>7}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: str | Path) -> Path:
+    """A PNG bar chart of time per token per task kind, one bar per variant (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = report["variants"]
+    kinds: list[str] = []
+    for v in variants:
+        for k in v["by_kind"]:
+            if k["kind"] not in kinds:
+                kinds.append(k["kind"])
+    height = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(10, min(30.0, 2 + 0.16 * len(kinds) * max(len(variants), 2))))
+    for j, v in enumerate(variants):
+        t = {k["kind"]: (k["time_us"] or 0.0) for k in v["by_kind"]}
+        ys = [i + j * height for i in range(len(kinds))]
+        ax.barh(ys, [t.get(k, 0.0) for k in kinds], height=height, label=v["variant"])
+    ax.set_yticks([i + height * (len(variants) - 1) / 2 for i in range(len(kinds))])
+    ax.set_yticklabels(kinds)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per token (us), summed over layers")
+    ax.set_title(f"tornado-moe kernel time per task kind ({report.get('gpu_name', '')})")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,115 @@
+"""Bytes each task moves through memory, read from the task's own arguments (the C ABI order).
+
+Decode is memory-bound: a task's floor is (bytes it must move) / (machine copy bandwidth). The count is the
+minimum a kernel must touch, as the ABI defines the work:
+
+- weights: the raw GGUF blocks of the uint8 weight tensors a task reads (float32 norms, biases and router
+  matrices count too); for routed-expert tasks only the selected experts' share of the stack, i.e.
+  ``slot_count / n_experts`` of it per token (at most the whole stack); the embedding reads one row per token;
+- activations: float32 inputs read and outputs written at the sizes the task's integer arguments give
+  (not the buffers' capacity); attention reads the KV cache rows up to the position (``context`` rows);
+  ``accumulate`` outputs count as read + write.
+
+The routed share assumes the experts picked are distinct across the tokens of a step, the decode case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tornado_moe.graph.task_graph import Task
+
+__all__ = ["ARG_NAMES", "TaskBytes", "task_bytes"]
+
+F32 = 4
+I32 = 4
+
+#: Task argument names per kernel, in C ABI order without ``device`` and ``stream``
+#: (csrc/include/tornado_moe.h).
+ARG_NAMES: dict[str, tuple[str, ...]] = {
+    "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
+    "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate"),
+    "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
+                       "head_dim", "max_ctx", "freq_base", "neox"),
+    "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
+                  "max_ctx"),
+    "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
+                    "normalize"),
+    "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
+                    "slot_count", "n_experts", "ffn", "hidden"),
+    "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
+                            "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
+    "argmax": ("logits", "out", "n_tokens", "vocab"),
+    "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
+    "advance_position": ("pos", "delta"),
+}
+
+
+@dataclass(frozen=True)
+class TaskBytes:
+    """Bytes one execution of a task moves: weights read and activations read + written."""
+
+    weights: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.activations
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
+    """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
+    names = ARG_NAMES.get(task.kernel)
+    if names is None or len(names) != len(task.args):
+        raise ValueError(f"task {task.name!r}: kernel {task.kernel!r} has {len(task.args)} arguments, the "
+                         f"byte model expects {len(names) if names else 'a known kernel'}")
+    a = dict(zip(names, task.args, strict=True))
+    k = task.kernel
+    T = int(a.get("n_tokens", 1) or 1)
+    if k == "embedding":
+        return TaskBytes(T * _nbytes(a["table"]) / a["vocab"], T * I32 + F32 * T * a["dim"])
+    if k == "rmsnorm":
+        return TaskBytes(_nbytes(a["w"]), 2 * F32 * T * a["dim"])
+    if k == "matmul":
+        out = F32 * T * a["rows"] * (2 if a["accumulate"] else 1)
+        return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]), F32 * T * a["cols"] + out)
+    if k == "rope_kv_append":
+        q = F32 * T * a["n_heads"] * a["head_dim"]
+        kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
+        return TaskBytes(0, 2 * q + 2 * kv + 2 * kv + I32)  # q in place; k, v read; k, v cache rows written
+    if k == "attention":
+        q = F32 * T * a["n_heads"] * a["head_dim"]
+        cache = 2 * F32 * T * (context + (T - 1) / 2) * a["n_kv_heads"] * a["head_dim"]
+        return TaskBytes(0, 2 * q + cache + I32)
+    if k == "router_topk":
+        return TaskBytes(_nbytes(a["w_router"]), F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"])
+    if k in ("moe_gate_up", "moe_down_accumulate"):
+        slots, E = a["slot_count"], a["n_experts"]
+        share = 1.0 if a["ids"] is None else min(T * slots, E) / E
+        if k == "moe_gate_up":
+            w = share * (_nbytes(a["w_gate"]) + _nbytes(a["w_up"]))
+            act = F32 * T * a["hidden"] + F32 * T * slots * a["ffn"]
+        else:
+            w = share * _nbytes(a["w_down"]) + _nbytes(a["gate_inp"])
+            act = F32 * T * slots * a["ffn"] + 2 * F32 * T * a["hidden"]
+            if a["gate_inp"] is not None:
+                act += F32 * T * a["hidden"]
+            if a["weights"] is not None:
+                act += F32 * T * slots
+        if a["ids"] is not None:
+            act += I32 * T * slots
+        return TaskBytes(w, act)
+    if k == "argmax":
+        return TaskBytes(0, F32 * T * a["vocab"] + I32 * T)
+    if k == "sample":
+        return TaskBytes(0, F32 * a["vocab"] + 2 * I32)
+    if k == "advance_position":
+        return TaskBytes(0, 2 * I32)
+    raise ValueError(f"task {task.name!r}: no byte model for kernel {k!r}")

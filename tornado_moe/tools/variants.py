@@ -1,0 +1,85 @@
+"""Engine variants compared by the tools: expert fusion x execution (eager / CUDA graph) x route.
+
+Every variant must produce bitwise identical tokens and logits (the determinism contract), and the tools
+measure what each one costs. A comma list such as ``fused,per-slot,graphs`` selects them: naming both
+values of a pair (fused/per-slot, eager/graphs, torch/java) makes that pair an axis of the comparison;
+naming one value fixes the axis to it; an axis not named keeps the device's default. The variants are the
+product of the axes, in a fixed order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tornado_moe.errors import InputError
+
+if TYPE_CHECKING:
+    from tornado_moe.engine import EngineOptions
+
+__all__ = ["AXES", "VARIANT_NAMES", "Variant", "default_variant", "parse_variants"]
+
+#: axis -> its two values, the first being the variant field's "False"/first state.
+AXES: dict[str, tuple[str, str]] = {
+    "experts": ("fused", "per-slot"),
+    "execution": ("eager", "graphs"),
+    "route": ("torch", "java"),
+}
+VARIANT_NAMES: tuple[str, ...] = tuple(v for pair in AXES.values() for v in pair)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the same model: the three choices an EngineOptions takes."""
+
+    fuse_experts: bool = True
+    cuda_graphs: bool = False
+    route: str = "torch"
+
+    @property
+    def name(self) -> str:
+        """E.g. ``fused/graphs/torch``: stable, used as the key in every report."""
+        return "/".join((self.experts, "graphs" if self.cuda_graphs else "eager", self.route))
+
+    @property
+    def experts(self) -> str:
+        return "fused" if self.fuse_experts else "per-slot"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"variant": self.name, "fuse_experts": self.fuse_experts, "cuda_graphs": self.cuda_graphs,
+                "route": self.route}
+
+    def engine_options(self, device: str, **kw: Any) -> EngineOptions:
+        """EngineOptions for this variant on ``device``; ``kw`` sets the other fields (sampler, ...)."""
+        from tornado_moe.engine import EngineOptions
+
+        return EngineOptions(device=device, route=self.route, fuse_experts=self.fuse_experts,
+                             cuda_graphs=self.cuda_graphs, **kw)
+
+
+def default_variant(device: torch.device) -> Variant:
+    """The fastest configuration for the device: fused experts, CUDA graphs on a GPU, torch route."""
+    return Variant(fuse_experts=True, cuda_graphs=device.type == "cuda", route="torch")
+
+
+def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--compare") -> list[Variant]:
+    """The variants a comma list selects (see the module docstring); ``None``/empty: the default only."""
+    base = default_variant(device)
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    unknown = [n for n in names if n not in VARIANT_NAMES]
+    if unknown:
+        raise InputError(f"{flag}: unknown variant {', '.join(map(repr, unknown))} "
+                         f"(choose from {', '.join(VARIANT_NAMES)})")
+    defaults = {"experts": base.experts, "execution": "graphs" if base.cuda_graphs else "eager",
+                "route": base.route}
+    values: list[list[str]] = []
+    for axis, pair in AXES.items():
+        chosen = [v for v in pair if v in names]
+        values.append(chosen or [defaults[axis]])
+    if "graphs" in values[1] and device.type != "cuda":
+        raise InputError(f"{flag}: 'graphs' (CUDA graphs) needs --device cuda; this run is on {device.type}")
+    return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r)
+            for e, x, r in itertools.product(*values)]
