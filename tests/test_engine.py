@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import GPU, device_params
+
 from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
 from tornado_moe.errors import DeviceError, InputError
 from tornado_moe.model.gguf_model import load_model

@@ -158,7 +158,8 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
+                 on_logits: Callable[[torch.Tensor], None] | None = None
+                 ) -> tuple[list[int], GenerationStats]:
         """Greedy or sampled continuation of ``prompt_ids`` (the sampler was fixed at construction)."""
         if not prompt_ids:
             raise InputError("the prompt is empty: give at least one token")

@@ -60,7 +60,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     for name, out, rows in (("q", act.q, cfg.n_heads * hd), ("k", act.k, cfg.n_kv_heads * hd),
                             ("v", act.v, cfg.n_kv_heads * hd)):
         w = _w(L, f"attn_{name}")
-        g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, L[f"attn_{name}_bias"], out, T, rows, H, False)
+        bias = L[f"attn_{name}_bias"]
+        g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, bias, out, T, rows, H, False)
     g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
            act.position, T, cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,

@@ -57,6 +57,7 @@ class ProfilerResult:
     def table(self) -> str:
         lines = [f"{'graph':<12} {'task':<34} {'kernel':<20} {'launches':>8} {'time_us':>10}"]
         for r in self.rows:
-            lines.append(f"{r.graph:<12} {r.task:<34} {r.kernel:<20} {r.launches:>8} {r.time_ns / 1e3:>10.1f}")
+            us = r.time_ns / 1e3
+            lines.append(f"{r.graph:<12} {r.task:<34} {r.kernel:<20} {r.launches:>8} {us:>10.1f}")
         lines.append(f"total kernel launches: {self.kernel_count}, time: {self.total_time_ns / 1e6:.3f} ms")
         return "\n".join(lines)

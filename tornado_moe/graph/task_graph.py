@@ -11,13 +11,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
 #: One kernel argument: a tensor (passed as a device pointer), an integer, a float, a flag, or None for a
 #: nullable pointer.
-Arg = Union[torch.Tensor, int, float, bool, None]
+Arg = torch.Tensor | int | float | bool | None
 
 KERNELS: tuple[str, ...] = (
     "embedding",
