@@ -14,23 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tornado_moe.kernels.ops import KERNEL_NAMES
+
 #: One kernel argument: a tensor (passed as a device pointer), an integer, a float, a flag, or None for a
 #: nullable pointer.
 Arg = torch.Tensor | int | float | bool | None
 
-KERNELS: tuple[str, ...] = (
-    "embedding",
-    "rmsnorm",
-    "matmul",
-    "rope_kv_append",
-    "attention",
-    "router_topk",
-    "moe_gate_up",
-    "moe_down_accumulate",
-    "argmax",
-    "sample",
-    "advance_position",
-)
+KERNELS = KERNEL_NAMES  # graph tasks name their kernel by the C kernel table's names
 
 
 class DataTransferMode(enum.Enum):

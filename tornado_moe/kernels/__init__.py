@@ -1,45 +1,6 @@
 """The tornado-moe kernels from Python: torch-op loading and one thin wrapper per kernel (see ``ops``)."""
 
-from tornado_moe.kernels.ops import (
-    KERNEL_NAMES,
-    DeviceProps,
-    advance_position,
-    argmax,
-    attention,
-    cuda_compiled,
-    cuda_device_count,
-    device_props,
-    embedding,
-    matmul,
-    moe_down_accumulate,
-    moe_gate_up,
-    native_version,
-    rmsnorm,
-    rope_kv_append,
-    router_topk,
-    sample,
-    set_launch_limits_for_testing,
-    stream_of,
-)
+from tornado_moe.kernels import ops
+from tornado_moe.kernels.ops import *  # noqa: F403  (the wrappers; ops.__all__ is the one list)
 
-__all__ = [
-    "KERNEL_NAMES",
-    "DeviceProps",
-    "advance_position",
-    "argmax",
-    "attention",
-    "cuda_compiled",
-    "cuda_device_count",
-    "device_props",
-    "embedding",
-    "matmul",
-    "moe_down_accumulate",
-    "moe_gate_up",
-    "native_version",
-    "rmsnorm",
-    "rope_kv_append",
-    "router_topk",
-    "sample",
-    "set_launch_limits_for_testing",
-    "stream_of",
-]
+__all__ = list(ops.__all__)
