@@ -6,6 +6,7 @@ lets a captured CUDA graph be replayed for every token.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,18 +26,25 @@ class DeviceWeight:
     data: torch.Tensor  # uint8 raw blocks, or float32 for F32 vectors used directly by kernels
 
 
+def _to_device(raw: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Copies a (read-only, memory-mapped) array to ``device`` without an extra host copy on the way."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only arrays; we only read them
+        shared = torch.from_numpy(raw)
+    return shared.to(device) if device.type != "cpu" else shared.clone()
+
+
 def upload(t: QTensor, device: torch.device) -> DeviceWeight:
     raw = np.ascontiguousarray(t.data).reshape(-1)
-    tensor = torch.from_numpy(raw.copy()).to(device)
-    return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), tensor)
+    return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), _to_device(raw, device))
 
 
 def upload_f32(t: QTensor, device: torch.device) -> torch.Tensor:
     """F32 vectors/matrices that kernels take as float pointers (norms, biases, router)."""
     if int(t.qtype) != 0:
         raise ValueError(f"{t.name}: expected F32, found quant type {t.qtype!r}")
-    arr = np.frombuffer(np.ascontiguousarray(t.data).tobytes(), dtype=np.float32).reshape(t.shape)
-    return torch.from_numpy(arr.copy()).to(device)
+    arr = np.ascontiguousarray(t.data).reshape(-1).view(np.float32).reshape(t.shape)
+    return _to_device(arr, device)
 
 
 class Activations:

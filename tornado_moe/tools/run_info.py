@@ -38,7 +38,12 @@ def utc_now() -> str:
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """``git rev-parse HEAD`` of the source tree, or ``"unknown"`` (installed wheel, no git, no repo)."""
+    """``git rev-parse HEAD`` of the source tree, or ``"unknown"`` (installed wheel, no git, no repo).
+
+    ``$TORNADO_MOE_GIT_COMMIT`` wins: a copy of the tree without ``.git`` (the GPU machine) still records it.
+    """
+    if os.environ.get("TORNADO_MOE_GIT_COMMIT"):
+        return os.environ["TORNADO_MOE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_SOURCE_ROOT, capture_output=True, text=True,
                              timeout=10, check=False)
