@@ -1,0 +1,110 @@
+/*
+ * common.cuh - internal to csrc/cuda: error checks, launch limits, small device helpers (fp16/bf16 widening,
+ * warp reductions in a fixed butterfly order). Every .cu of the CUDA backend includes it.
+ *
+ * Error handling: every CUDA runtime call goes through TM_CUDA_TRY (which names the kernel and the call), every
+ * launch is followed by TM_LAUNCH_CHECK (cudaGetLastError; with TM_DEBUG_SYNC also a stream synchronize, skipped
+ * while the stream is being captured). No launcher calls anything illegal during stream capture: no
+ * synchronisation, no allocation; device limits are cached on first use (tm_cuda::get_limits).
+ */
+#ifndef TORNADO_MOE_CUDA_COMMON_CUH
+#define TORNADO_MOE_CUDA_COMMON_CUH
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends.h"
+#include "qtypes.h"
+
+namespace tm_cuda {
+
+// ---- error checks -----------------------------------------------------------------------------------------
+
+#define TM_CUDA_TRY(expr, what)                                                                          \
+  do {                                                                                                   \
+    const cudaError_t tm_cuda_err_ = (expr);                                                             \
+    if (tm_cuda_err_ != cudaSuccess)                                                                     \
+      return tm_set_error(TM_ERR_CUDA, "%s: %s failed: %s", (what), #expr, cudaGetErrorString(tm_cuda_err_)); \
+  } while (0)
+
+// Checks the launch just made on `stream` (and, under TM_DEBUG_SYNC, its completion when not capturing).
+int launch_check(cudaStream_t stream, const char* kernel);
+
+#define TM_LAUNCH_CHECK(stream, kernel)                              \
+  do {                                                               \
+    const int tm_launch_rc_ = ::tm_cuda::launch_check((stream), (kernel)); \
+    if (tm_launch_rc_ != TM_OK) return tm_launch_rc_;                \
+  } while (0)
+
+#define TM_STATUS_TRY(expr)                   \
+  do {                                        \
+    const int tm_status_rc_ = (expr);         \
+    if (tm_status_rc_ != TM_OK) return tm_status_rc_; \
+  } while (0)
+
+// ---- launch limits ----------------------------------------------------------------------------------------
+
+// The limits the launchers plan with: the current device's values (cached per device on first use), lowered by
+// the test caps of tm_set_launch_limits_for_testing.
+struct Limits {
+  int device;
+  int sm_count;
+  int64_t max_grid_x;   // blocks in x per launch
+  int64_t max_grid_yz;  // blocks in y (and z) per launch: min(65535, device y/z limits, test cap)
+  int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
+};
+int get_limits(Limits* out);
+
+// Raises the dynamic shared-memory limit of `func` to `bytes` when that is above the 48 KB default (cached per
+// device and kernel, so the attribute call happens once; it is legal during stream capture).
+int ensure_dynamic_smem(const void* func, int64_t bytes, const char* kernel);
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// 1 when `p` is a multiple of `align` bytes.
+inline bool aligned(const void* p, uintptr_t align) { return (reinterpret_cast<uintptr_t>(p) % align) == 0; }
+
+// Launchers require the natural alignment of the weight format (2 bytes for fp16/bf16 and the block formats,
+// whose blocks are read as 16-bit words; 4 bytes for F32) and 4 bytes for float32 activations.
+int check_weight_alignment(const char* kernel, const char* arg, int qtype, const void* p);
+int check_f32_alignment(const char* kernel, const char* arg, const void* p);
+
+// ---- device helpers ---------------------------------------------------------------------------------------
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float fp16_bits_to_f32(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ uint32_t ldg_u16(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+
+// Butterfly sum over the 32 lanes: every lane ends with the same value, and the order of the additions depends
+// only on the lane layout (never on scheduling).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(kFullMask, v, m));
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, m));
+  return v;
+}
+
+// Stable sigmoid / silu with the header's formulas (IEEE division, accurate expf).
+__device__ __forceinline__ float sigmoid_f32(float z) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z))); }
+__device__ __forceinline__ float silu_f32(float g) { return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))); }
+
+}  // namespace tm_cuda
+
+#endif

@@ -1,0 +1,135 @@
+/*
+ * norm_embed.cu - tm_embedding and tm_rmsnorm on CUDA.
+ *
+ * embedding: a grid-stride loop over the n_tokens * dim output values (256 threads a block, at most 16 blocks per
+ *   SM); each value is decoded exactly as gguf's dequantizer does (Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d + m, each a
+ *   rounded product then a rounded add), so rows are bitwise equal to gguf.quants.dequantize and to the CPU
+ *   kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
+ * rmsnorm: one block of 256 threads per token (grid-stride over tokens). Sum of squares: thread i accumulates
+ *   x[i], x[i+256], ... with fma in increasing index, then warp_sum, then warp 0 sums the 8 warp totals with
+ *   warp_sum (lanes 8..31 contribute +0): a fixed tree for a given dim. y = (x * inv) * w with
+ *   inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root), as the CPU kernel; every x value is read
+ *   before the barrier that precedes the writes, so x and y may alias (x is therefore read with plain loads).
+ */
+#include <cmath>
+
+#include "common.cuh"
+
+namespace tm_cuda {
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kNormWarps = kNormThreads / 32;
+
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_kernel(const float* x, const float* __restrict__ w, float* y, int64_t n_tokens, int64_t dim, float eps) {
+  __shared__ float warp_part[kNormWarps];
+  __shared__ float s_inv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
+    const float* xt = x + t * dim;
+    float* yt = y + t * dim;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
+      const float v = xt[i];
+      ss = __fmaf_rn(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) warp_part[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < kNormWarps ? warp_part[lane] : 0.0f;
+      v = warp_sum(v);
+      if (lane == 0)
+        s_inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(v, static_cast<float>(dim)), eps)));
+    }
+    __syncthreads();
+    const float inv = s_inv;
+    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) yt[i] = __fmul_rn(__fmul_rn(xt[i], inv), __ldg(w + i));
+    __syncthreads();  // warp_part / s_inv are reused by the next token
+  }
+}
+
+__device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int64_t c) {
+  switch (qtype) {
+    case TM_F32:
+      return __ldg(reinterpret_cast<const float*>(row) + c);
+    case TM_F16:
+      return fp16_bits_to_f32(ldg_u16(row + 2 * c));
+    case TM_BF16:
+      return bf16_bits_to_f32(ldg_u16(row + 2 * c));
+    case TM_Q8_0: {
+      const uint8_t* blk = row + (c / 32) * 34;
+      const float d = fp16_bits_to_f32(ldg_u16(blk));
+      const int q = static_cast<int8_t>(__ldg(blk + 2 + c % 32));
+      return __fmul_rn(static_cast<float>(q), d);
+    }
+    case TM_Q4_0: {
+      const uint8_t* blk = row + (c / 32) * 18;
+      const int j = static_cast<int>(c % 32);
+      const uint32_t byte = __ldg(blk + 2 + (j & 15));
+      const int q = static_cast<int>(j < 16 ? (byte & 15u) : (byte >> 4)) - 8;
+      return __fmul_rn(static_cast<float>(q), fp16_bits_to_f32(ldg_u16(blk)));
+    }
+    default: {  // TM_Q4_1
+      const uint8_t* blk = row + (c / 32) * 20;
+      const int j = static_cast<int>(c % 32);
+      const uint32_t byte = __ldg(blk + 4 + (j & 15));
+      const int q = static_cast<int>(j < 16 ? (byte & 15u) : (byte >> 4));
+      return __fadd_rn(__fmul_rn(static_cast<float>(q), fp16_bits_to_f32(ldg_u16(blk))),
+                       fp16_bits_to_f32(ldg_u16(blk + 2)));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    embedding_kernel(int qtype, const uint8_t* __restrict__ table, const int32_t* __restrict__ ids,
+                     float* __restrict__ out, int64_t n_tokens, int64_t vocab, int64_t dim, int64_t row_bytes) {
+  const int64_t total = n_tokens * dim;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / dim, c = i % dim;
+    const int64_t id = __ldg(ids + t);
+    out[i] = (id < 0 || id >= vocab) ? __int_as_float(0x7fc00000) : decode_value(qtype, table + id * row_bytes, c);
+  }
+}
+
+}  // namespace
+}  // namespace tm_cuda
+
+using namespace tm_cuda;
+
+extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* ids, float* out, int64_t n_tokens,
+                                 int64_t vocab, int64_t dim, void* stream) {
+  const char* fn = "tm_embedding";
+  TM_STATUS_TRY(check_weight_alignment(fn, "table", qtype, table));
+  TM_STATUS_TRY(check_f32_alignment(fn, "out", out));
+  Limits lim;
+  TM_STATUS_TRY(get_limits(&lim));
+  const cudaStream_t s = as_stream(stream);
+  int64_t blocks = ceil_div(n_tokens * dim, 256);
+  const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 16;
+  if (blocks > max_blocks) blocks = max_blocks;
+  embedding_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(qtype, static_cast<const uint8_t*>(table), ids, out,
+                                                                  n_tokens, vocab, dim,
+                                                                  tm_qtype_row_bytes(qtype, dim));
+  TM_LAUNCH_CHECK(s, fn);
+  return TM_OK;
+}
+
+extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,
+                               void* stream) {
+  const char* fn = "tm_rmsnorm";
+  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
+  TM_STATUS_TRY(check_f32_alignment(fn, "w", w));
+  TM_STATUS_TRY(check_f32_alignment(fn, "y", y));
+  Limits lim;
+  TM_STATUS_TRY(get_limits(&lim));
+  const cudaStream_t s = as_stream(stream);
+  int64_t blocks = n_tokens;
+  const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 32;
+  if (blocks > max_blocks) blocks = max_blocks;
+  rmsnorm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, s>>>(x, w, y, n_tokens, dim, eps);
+  TM_LAUNCH_CHECK(s, fn);
+  return TM_OK;
+}
