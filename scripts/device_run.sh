@@ -28,22 +28,22 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 stamp "synth (background) + GPU tests"
 [ -f "$MODEL" ] || $CLI synth --preset qwen1.5-moe-a2.7b -o "$MODEL" --threads 16 --no-progress > "$OUT/synth.log" 2>&1 &
 SYNTH=$!
-$PY -m pytest -q -ra -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
+timeout ${PYTEST_TIMEOUT:-150} $PY -m pytest -q -ra -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
 tail -25 "$OUT/pytest_gpu.log"
 wait $SYNTH; cat "$OUT/synth.log"
 
 stamp bench
-$CLI bench --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5 \
+timeout 170 $CLI bench --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5 \
   --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 tail -15 "$OUT/bench.log"
 
 stamp "determinism (torch: fused/per-slot x eager/graphs)"
-$CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
+timeout 150 $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
   --compare fused,per-slot,eager,graphs,torch --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
 echo "exit $?"; tail -12 "$OUT/determinism.log"
 
 stamp "determinism (torch vs java)"
-$CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
+timeout 90 $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
   --compare fused,graphs,torch,java --json "$OUT/determinism_java.json" > "$OUT/determinism_java.log" 2>&1
 echo "exit $?"; tail -8 "$OUT/determinism_java.log"
 
