@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -19,6 +20,15 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
+
+// Numbers in messages are formatted here, not streamed: TORCH_CHECK's ostream formatting of integers is inlined
+// from the compiler's libstdc++ headers and crashed on the GPU machine, whose g++ 13 headers are newer than the
+// libstdc++ the Python process loads. Strings stream safely.
+std::string num(int64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(v));
+  return buf;
+}
 
 // torch's Python names, which is what users of the ops see.
 const char* dtype_name(at::ScalarType t) {
@@ -45,8 +55,8 @@ class Args {
     check_common(t, name);
     TORCH_CHECK(t.scalar_type() == dtype, op_, ": argument '", name, "' must be a ", dtype_name(dtype),
                 " tensor, got ", dtype_name(t.scalar_type()));
-    TORCH_CHECK(numel <= 0 || t.numel() >= numel, op_, ": argument '", name, "' has ", t.numel(),
-                " elements, the sizes given need ", numel);
+    TORCH_CHECK(numel <= 0 || t.numel() >= numel, op_, ": argument '", name, "' has ", num(t.numel()),
+                " elements, the sizes given need ", num(numel));
     return static_cast<T*>(t.data_ptr());
   }
 
@@ -62,9 +72,9 @@ class Args {
     const bool ok = dt == at::kByte || (qtype == TM_F32 && dt == at::kFloat) || (qtype == TM_F16 && dt == at::kHalf) ||
                     (qtype == TM_BF16 && dt == at::kBFloat16);
     TORCH_CHECK(ok, op_, ": argument '", name, "' must hold the raw GGUF bytes as a uint8 tensor (or the matching ",
-                "float dtype for F32/F16/BF16), got ", dtype_name(dt), " for qtype ", qtype);
+                "float dtype for F32/F16/BF16), got ", dtype_name(dt), " for qtype ", num(qtype));
     TORCH_CHECK(nbytes <= 0 || t.nbytes() >= static_cast<size_t>(nbytes), op_, ": argument '", name, "' has ",
-                t.nbytes(), " bytes, the sizes given need ", nbytes);
+                num(static_cast<int64_t>(t.nbytes())), " bytes, the sizes given need ", num(nbytes));
     return t.data_ptr();
   }
 
@@ -77,7 +87,7 @@ class Args {
   c10::Device torch_device() const { return *device_; }
 
   void check(int status) const {
-    TORCH_CHECK(status == TM_OK, op_, ": ", tm_last_error(), " (status ", status, ")");
+    TORCH_CHECK(status == TM_OK, op_, ": ", tm_last_error(), " (status ", num(status), ")");
   }
 
  private:
@@ -236,7 +246,7 @@ void sample(const Tensor& logits, const Tensor& out, int64_t vocab, double tempe
 
 void advance_position(const Tensor& pos, int64_t delta, int64_t stream) {
   Args a("tornado_moe.advance_position");
-  TORCH_CHECK(delta >= INT32_MIN && delta <= INT32_MAX, "tornado_moe.advance_position: delta ", delta,
+  TORCH_CHECK(delta >= INT32_MIN && delta <= INT32_MAX, "tornado_moe.advance_position: delta ", num(delta),
               " does not fit int32");
   int32_t* pos_p = a.data<int32_t>(pos, "pos", kI32, 1);
   c10::DeviceGuard guard(a.torch_device());
@@ -250,16 +260,16 @@ int64_t cuda_device_count() { return tm_cuda_device_count(); }
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, std::string> cuda_device_props() {
   tm_device_props p{};
   const int status = tm_cuda_device_props(&p);
-  TORCH_CHECK(status == TM_OK, "tornado_moe.cuda_device_props: ", tm_last_error(), " (status ", status, ")");
+  TORCH_CHECK(status == TM_OK, "tornado_moe.cuda_device_props: ", tm_last_error(), " (status ", num(status), ")");
   return {p.sm_count, p.max_grid_y, p.max_grid_z, p.smem_per_block_optin, p.l2_bytes, std::string(p.name)};
 }
 
 void set_launch_limits_for_testing(int64_t smem_per_block, int64_t max_grid_yz) {
   TORCH_CHECK(max_grid_yz >= 0 && max_grid_yz <= INT32_MAX,
-              "tornado_moe.set_launch_limits_for_testing: max_grid_yz out of range: ", max_grid_yz);
+              "tornado_moe.set_launch_limits_for_testing: max_grid_yz out of range: ", num(max_grid_yz));
   const int status = tm_set_launch_limits_for_testing(smem_per_block, static_cast<int>(max_grid_yz));
-  TORCH_CHECK(status == TM_OK, "tornado_moe.set_launch_limits_for_testing: ", tm_last_error(), " (status ", status,
-              ")");
+  TORCH_CHECK(status == TM_OK, "tornado_moe.set_launch_limits_for_testing: ", tm_last_error(), " (status ",
+              num(status), ")");
 }
 
 std::string version() { return tm_version(); }
