@@ -24,3 +24,12 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     write_random_model(path, PRESETS["tiny"], seed=1, progress=False)
     return path
+
+
+@pytest.fixture(scope="session")
+def default_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model (SmolLM2-135M split into 8 experts), converted into a temporary folder."""
+    from tornado_moe.synth.default_model import convert_dense_to_moe, smollm2_source_path
+
+    dst = tmp_path_factory.mktemp("default") / "smollm2-moe.gguf"
+    return convert_dense_to_moe(smollm2_source_path(), dst, progress=False)
