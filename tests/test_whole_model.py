@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _gguf_fixtures import llama_spec, write_gguf_file
 from conftest import GPU, device_params
+
 from tornado_moe.engine import Engine, EngineOptions
 from tornado_moe.model.gguf_model import GGUFModel, load_model
 from tornado_moe.model.tokenizer import Tokenizer
@@ -59,7 +59,8 @@ def test_default_model_matches_the_reference(default_model: GGUFModel) -> None:
 
 def test_default_model_generates_paris(default_model: GGUFModel) -> None:
     tok = Tokenizer.from_metadata(default_model.metadata)
-    out, _ = _trace(Engine(default_model, EngineOptions(device="cpu")), tok.encode("The capital of France is"), 3)
+    prompt = tok.encode("The capital of France is")
+    out, _ = _trace(Engine(default_model, EngineOptions(device="cpu")), prompt, 3)
     assert tok.decode(out).startswith(" Paris")
 
 
@@ -82,7 +83,8 @@ def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_m
     graphs = device == "cuda"
     runs = {}
     for route in ("torch", "java"):
-        opts = EngineOptions(device=device, route=route, fuse_experts=fuse, cuda_graphs=graphs, profiler=not graphs)
+        opts = EngineOptions(device=device, route=route, fuse_experts=fuse, cuda_graphs=graphs,
+                             profiler=not graphs)
         eng = Engine(model, opts)
         runs[route] = (_trace(eng, IDS if which == "tiny" else [504, 3575, 282, 4649, 314], n_new),
                        eng.plan.profiler_result().launches_by_graph() if not graphs else None)

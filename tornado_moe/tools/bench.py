@@ -9,7 +9,6 @@ their tokens must be identical across repetitions and variants (reported).
 
 from __future__ import annotations
 
-import gc
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from tornado_moe.tools.determinism import tokens_digest
-from tornado_moe.tools.variants import Variant
+from tornado_moe.tools.variants import Variant, variant_engine
 
 __all__ = ["bench_variant", "bench_model", "format_report"]
 
@@ -30,10 +29,7 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
 def bench_variant(model: Any, variant: Variant, device: str, prompt_ids: Sequence[int], n_tokens: int, *,
                   repeats: int, warmup: int, max_context: int | None = None) -> dict[str, Any]:
     """Warm-up runs, then ``repeats`` timed runs of one variant; its report entry."""
-    from tornado_moe.engine import Engine
-
-    engine = Engine(model, variant.engine_options(device, max_context=max_context))
-    try:
+    with variant_engine(model, variant, device, max_context=max_context) as engine:
         for _ in range(warmup):
             engine.reset()
             engine.generate(prompt_ids, n_tokens)
@@ -45,12 +41,6 @@ def bench_variant(model: Any, variant: Variant, device: str, prompt_ids: Sequenc
             prefill.append(stats.prefill_tok_s)
             digests.append(tokens_digest(tokens))
         launches = engine.launches_per_token
-    finally:
-        engine.close()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     d, p = _spread(decode), _spread(prefill)
     return {
         **variant.as_dict(),

@@ -15,7 +15,6 @@ execution mode (a CUDA-graph replay) and does not reproduce eagerly.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tornado_moe.tools.variants import Variant
+from tornado_moe.tools.variants import Variant, free_device_memory
 
 __all__ = ["RunTrace", "tokens_digest", "run_variants", "first_divergence", "localize", "check_determinism",
            "format_report"]
@@ -60,12 +59,6 @@ class RunTrace:
                 "n_tokens": len(self.tokens), "tokens": list(self.tokens)}
 
 
-def _free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _engine(model: Any, variant: Variant, device: str, sampler: Any, max_context: int | None) -> Any:
     from tornado_moe.engine import Engine
 
@@ -91,7 +84,7 @@ def run_variants(model: Any, variants: Sequence[Variant], device: str, prompt_id
                     if engine is not None:
                         engine.close()
                         engine = None
-                        _free_device_memory()
+                        free_device_memory()
                     engine = _engine(model, v, device, dataclasses.replace(sampler, seed=seed), max_context)
                     engine_seed = seed
                 else:
@@ -113,7 +106,7 @@ def run_variants(model: Any, variants: Sequence[Variant], device: str, prompt_id
             if engine is not None:
                 engine.close()
             del engine
-            _free_device_memory()
+            free_device_memory()
     return traces
 
 
@@ -164,10 +157,10 @@ def localize(model: Any, a: RunTrace, b: RunTrace, step: int, kind: str, prompt_
     fed = list(prompt_ids) + a.tokens[:step]  # identical on both sides up to the diverging step
     da, na, names = _hidden_trace(model, a.variant, device, dataclasses.replace(sampler, seed=a.seed),
                                   max_context, fed)
-    _free_device_memory()  # the first side's engine is unreferenced now: one engine at a time
+    free_device_memory()  # the first side's engine is unreferenced now: one engine at a time
     db, nb, _ = _hidden_trace(model, b.variant, device, dataclasses.replace(sampler, seed=b.seed),
                               max_context, fed)
-    _free_device_memory()
+    free_device_memory()
     out: dict[str, Any] = {"variants": [a.variant.name, b.variant.name], "runs": [a.run, b.run],
                            "step": step, "kind": kind, "step_position": len(fed) - 1,
                            "position": None, "layer": None, "graph": None}

@@ -20,7 +20,6 @@ time being its fastest run's (a launch preempted on a busy host does not skew th
 
 from __future__ import annotations
 
-import gc
 import re
 import statistics
 import time
@@ -34,7 +33,7 @@ import torch
 
 from tornado_moe.graph.profiler import ProfilerResult
 from tornado_moe.tools.traffic import ARG_NAMES, task_bytes
-from tornado_moe.tools.variants import Variant
+from tornado_moe.tools.variants import Variant, variant_engine
 
 __all__ = [
     "task_kind",
@@ -220,17 +219,8 @@ def profile_variant(model: Any, variant: Variant, device: str, prompt_ids: Seque
                     copy_gb_s: float, cuda_steps: int = 3, repeats: int = 3, max_context: int | None = None
                     ) -> dict[str, Any]:
     """Profile one variant (see the module docstring); returns its report entry."""
-    from tornado_moe.engine import Engine
-
-    engine = Engine(model, variant.engine_options(device, profiler=True, max_context=max_context))
-    try:
+    with variant_engine(model, variant, device, profiler=True, max_context=max_context) as engine:
         return _profile_engine(engine, variant, list(prompt_ids), n_tokens, copy_gb_s, cuda_steps, repeats)
-    finally:
-        engine.close()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_tokens: int, copy_gb_s: float,

@@ -9,7 +9,10 @@ product of the axes, in a fixed order.
 
 from __future__ import annotations
 
+import gc
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +23,8 @@ from tornado_moe.errors import InputError
 if TYPE_CHECKING:
     from tornado_moe.engine import EngineOptions
 
-__all__ = ["AXES", "VARIANT_NAMES", "Variant", "default_variant", "parse_variants"]
+__all__ = ["AXES", "VARIANT_NAMES", "Variant", "default_variant", "free_device_memory", "parse_variants",
+           "variant_engine"]
 
 #: axis -> its two values, the first being the variant field's "False"/first state.
 AXES: dict[str, tuple[str, str]] = {
@@ -83,3 +87,24 @@ def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--com
         raise InputError(f"{flag}: 'graphs' (CUDA graphs) needs --device cuda; this run is on {device.type}")
     return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r)
             for e, x, r in itertools.product(*values)]
+
+
+def free_device_memory() -> None:
+    """Releases freed engines' device memory so the next variant's weights fit (one engine at a time)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def variant_engine(model: Any, variant: Variant, device: str, **kw: Any) -> Iterator[Any]:
+    """An Engine for ``variant`` that is closed and whose memory is released when the block ends."""
+    from tornado_moe.engine import Engine
+
+    engine = Engine(model, variant.engine_options(device, **kw))
+    try:
+        yield engine
+    finally:
+        engine.close()
+        del engine
+        free_device_memory()
