@@ -118,12 +118,16 @@ class Engine:
         self.plan.execute()
         self.position += 1
 
-    def feed(self, token: int) -> int:
-        """Processes ``token`` at the current position and returns the chosen next token."""
+    def _load_token(self, token: int) -> None:
+        """Checks room and id, then writes the token where the embedding task reads it."""
         self._check_room(1)
         if not 0 <= token < self.config.vocab:
             raise InputError(f"token id {token} is outside the vocabulary (0..{self.config.vocab - 1})")
         self.act.tokens[0] = token
+
+    def feed(self, token: int) -> int:
+        """Processes ``token`` at the current position and returns the chosen next token."""
+        self._load_token(token)
         self._execute()
         return int(self.act.tokens[0].item())
 
@@ -139,10 +143,7 @@ class Engine:
         For diagnostics (tornado-moe determinism hashes the residual stream after every layer graph): the
         same kernels in the same order as a plan execution, never a CUDA-graph replay.
         """
-        self._check_room(1)
-        if not 0 <= token < self.config.vocab:
-            raise InputError(f"token id {token} is outside the vocabulary (0..{self.config.vocab - 1})")
-        self.act.tokens[0] = token
+        self._load_token(token)
         for gi, graph in enumerate(self.plan.graphs):
             for ti in range(graph.launch_count):
                 self.plan.execute_task(gi, ti)
