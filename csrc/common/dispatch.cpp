@@ -10,8 +10,20 @@ namespace {
 
 constexpr int kInvalid = TM_ERR_INVALID_ARGUMENT;
 
+// CUDA work needs a CUDA build and a visible device; both answers are fixed for the process, so the device count
+// is read once (a launch must not pay for cudaGetDeviceCount, and capture must not call it).
+int check_cuda(const char* fn) {
+  if (!tm_cuda_compiled_impl())
+    return tm_set_error(TM_ERR_NO_CUDA, "%s: this library was built without CUDA (nvcc was not found at build time)",
+                        fn);
+  static const int device_count = tm_cuda_device_count_impl();
+  if (device_count > 0) return TM_OK;
+  return tm_set_error(TM_ERR_NO_CUDA, "%s: no CUDA device is visible to this process", fn);
+}
+
 int check_device(const char* fn, int device) {
-  if (device == TM_DEVICE_CPU || device == TM_DEVICE_CUDA) return TM_OK;
+  if (device == TM_DEVICE_CPU) return TM_OK;
+  if (device == TM_DEVICE_CUDA) return check_cuda(fn);
   return tm_set_error(kInvalid, "%s: unknown device %d (expected TM_DEVICE_CPU=0 or TM_DEVICE_CUDA=1)", fn, device);
 }
 
@@ -84,7 +96,10 @@ TM_API int tm_set_launch_limits_for_testing(int64_t smem_per_block, int max_grid
   return tm_cuda_set_launch_limits_impl(smem_per_block, max_grid_yz);
 }
 
-TM_API int tm_cuda_graph_begin_capture(void* stream) { return tm_cuda_graph_begin_capture_impl(stream); }
+TM_API int tm_cuda_graph_begin_capture(void* stream) {
+  TM_TRY(check_cuda("tm_cuda_graph_begin_capture"));
+  return tm_cuda_graph_begin_capture_impl(stream);
+}
 
 TM_API int tm_cuda_graph_end_capture(void* stream, void** graph_exec_out) {
   TM_TRY(check_ptr("tm_cuda_graph_end_capture", "graph_exec_out", graph_exec_out));
