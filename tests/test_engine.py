@@ -113,10 +113,13 @@ def test_cuda_graph_replay_is_bitwise_eager(tiny, fuse: bool) -> None:
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-slot"])
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_profiler_counts_agree_with_declared_launches(tiny, fuse: bool, cuda_graphs: bool) -> None:
+@pytest.mark.parametrize("route", ["torch", "java"])
+def test_profiler_counts_agree_with_declared_launches(tiny, fuse: bool, cuda_graphs: bool, route: str
+                                                      ) -> None:
+    """torch.profiler sees every kernel of the process, JNI launches included: an independent counter."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = Engine(tiny, EngineOptions(device="cuda", fuse_experts=fuse, cuda_graphs=cuda_graphs))
+    eng = Engine(tiny, EngineOptions(device="cuda", route=route, fuse_experts=fuse, cuda_graphs=cuda_graphs))
     eng.feed(PROMPT[0])  # eager first step (and graph capture on the next one)
     eng.decode_next()
     torch.cuda.synchronize()
