@@ -21,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from tornado_moe.convert.hf_to_gguf import add_metadata_value
 from tornado_moe.quant.formats import QuantType, quantize
 
 
@@ -49,16 +50,7 @@ def write_gguf_file(path: Path, arch: str, keys: dict[str, Any], tensors: dict[s
     """Write ``keys`` and ``tensors`` (see the module docstring) to ``path``; return it."""
     w = gguf.GGUFWriter(path, arch)
     for k, v in keys.items():
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, str):
-            w.add_string(k, v)
-        else:
-            w.add_array(k, list(v))
+        add_metadata_value(w, k, v)
     for name, t in tensors.items():
         if isinstance(t, Raw):
             w.add_tensor(name, np.ascontiguousarray(t.data, dtype=np.uint8), raw_dtype=t.ggml_type)

@@ -119,7 +119,7 @@ def write_gguf(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer_metadata:
         for key, val in tokenizer_metadata.items():
-            _add_any(writer, key, val)
+            add_metadata_value(writer, key, val)
     else:
         writer.add_tokenizer_model("none")
 
@@ -135,7 +135,7 @@ def write_gguf(
     return p
 
 
-def _add_any(writer: Any, key: str, val: Any) -> None:
+def add_metadata_value(writer: Any, key: str, val: Any) -> None:
     """Add a metadata value with the GGUF type tokenizer keys conventionally use."""
     if isinstance(val, bool):
         writer.add_bool(key, val)
