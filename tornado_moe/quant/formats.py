@@ -32,6 +32,8 @@ __all__ = [
     "dequantize",
     "quantize",
     "FLOAT_TYPES",
+    "FP16_FIELDS",
+    "CODES_OFFSET",
 ]
 
 
@@ -57,6 +59,16 @@ _SIZES: dict[QuantType, tuple[int, int]] = {
     QuantType.Q4_0: (32, 18),
     QuantType.Q4_1: (32, 20),
 }
+
+
+# Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m) and of its codes:
+# the one description of the block layouts that the decoder and the model writers share.
+FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
+    QuantType.Q8_0: (0,),
+    QuantType.Q4_0: (0,),
+    QuantType.Q4_1: (0, 2),
+}
+CODES_OFFSET: dict[QuantType, int] = {QuantType.Q8_0: 2, QuantType.Q4_0: 2, QuantType.Q4_1: 4}
 
 
 def block_size(qt: QuantType) -> int:
@@ -142,16 +154,17 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
     else:
         bs, ts = _SIZES[qtype]
         blocks = data.reshape(-1, ts)
-        d = _fp16_column(blocks, 0)
+        d = _fp16_column(blocks, FP16_FIELDS[qtype][0])
+        codes = blocks[:, CODES_OFFSET[qtype]:]
         if qtype == QuantType.Q8_0:
-            q = blocks[:, 2:].view(np.int8).astype(np.float32)
+            q = codes.view(np.int8).astype(np.float32)
             out = q * d
         elif qtype == QuantType.Q4_0:
-            q = (_nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32)
+            q = (_nibbles(codes).astype(np.int8) - np.int8(8)).astype(np.float32)
             out = q * d
         elif qtype == QuantType.Q4_1:
-            m = _fp16_column(blocks, 2)
-            q = _nibbles(blocks[:, 4:]).astype(np.float32)
+            m = _fp16_column(blocks, FP16_FIELDS[qtype][1])
+            q = _nibbles(codes).astype(np.float32)
             out = q * d + m
         else:  # pragma: no cover - every QuantType is handled above
             raise AssertionError(qtype)

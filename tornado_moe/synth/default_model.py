@@ -33,7 +33,15 @@ import gguf
 import numpy as np
 
 from tornado_moe.errors import ModelFileError, UnsupportedModelError
-from tornado_moe.quant.formats import QuantType, block_size, dequantize, quant_type_of, row_bytes, type_size
+from tornado_moe.quant.formats import (
+    FP16_FIELDS,
+    QuantType,
+    block_size,
+    dequantize,
+    quant_type_of,
+    row_bytes,
+    type_size,
+)
 from tornado_moe.synth.cache import atomic_output, cache_dir
 
 __all__ = [
@@ -50,13 +58,6 @@ DEFAULT_MODEL_VERSION = 1
 DEFAULT_N_EXPERTS = 8
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VERSION_KEY = "tornado_moe.default_model.version"
-
-# Byte offsets of the fp16 fields that scale a block's decoded values linearly: scaling them scales the block.
-_SCALE_FIELDS: dict[QuantType, tuple[int, ...]] = {
-    QuantType.Q8_0: (0,),  # d
-    QuantType.Q4_0: (0,),  # d
-    QuantType.Q4_1: (0, 2),  # d, m
-}
 
 
 def smollm2_source_path() -> Path:
@@ -105,10 +106,11 @@ def _scale_blocks_pow2(blocks: np.ndarray, qtype: QuantType, factor: int, where:
         if not np.all(np.isfinite(vals)):
             raise UnsupportedModelError(f"{where}: values overflow {qtype.name} when multiplied by {factor}")
         return out
-    if qtype not in _SCALE_FIELDS:
+    if qtype not in FP16_FIELDS:
         raise UnsupportedModelError(f"{where}: cannot rescale {qtype.name} blocks exactly")
     flat = out.reshape(-1, type_size(qtype))
-    for off in _SCALE_FIELDS[qtype]:
+    # d (and Q4_1's m) scale a block's decoded values linearly: scaling them scales the block exactly.
+    for off in FP16_FIELDS[qtype]:
         field = flat[:, off : off + 2].view("<f2")
         field *= np.float16(factor)
         if not np.all(np.isfinite(field)):

@@ -40,7 +40,7 @@ import gguf
 import numpy as np
 
 from tornado_moe.errors import InputError
-from tornado_moe.quant.formats import QuantType, block_size, row_bytes, type_size
+from tornado_moe.quant.formats import CODES_OFFSET, FP16_FIELDS, QuantType, block_size, row_bytes, type_size
 from tornado_moe.synth.cache import atomic_output
 from tornado_moe.synth.qwen_vocab import QWEN2_N_RANKS, QWEN2_SPECIAL_TOKENS, add_qwen2_tokenizer
 
@@ -318,17 +318,18 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
         h |= exp_bits
         return raw
     blocks = raw.reshape(n_units, ts)
-    d = blocks[:, 0:2].view("<u2")
+    fields, codes = FP16_FIELDS[qt], blocks[:, CODES_OFFSET[qt]:]
+    d = blocks[:, fields[0]:fields[0] + 2].view("<u2")
     d &= np.uint16(0x03FF)
     d |= exp_bits
     if qt == QuantType.Q8_0:
-        blocks[:, 2:] |= np.uint8(0x01)
+        codes |= np.uint8(0x01)
     elif qt == QuantType.Q4_0:
-        blocks[:, 2:] |= np.uint8(0x11)
+        codes |= np.uint8(0x11)
     elif qt == QuantType.Q4_1:
-        m = blocks[:, 2:4].view("<u2")
+        m = blocks[:, fields[1]:fields[1] + 2].view("<u2")
         np.bitwise_or(d + np.uint16(3 << 10), np.uint16(0x8000), out=m)  # m = -8 d exactly
-        blocks[:, 4:] |= np.uint8(0x11)
+        codes |= np.uint8(0x11)
     else:  # pragma: no cover - validate() restricts qtype
         raise AssertionError(qt)
     return raw
