@@ -23,10 +23,9 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise DeviceError("--device cuda: no CUDA GPU is visible to torch on this machine")
-        from tornado_moe.native import load_torch_ops
+        from tornado_moe.kernels.ops import cuda_compiled
 
-        load_torch_ops()
-        if not torch.ops.tornado_moe.cuda_compiled():
+        if not cuda_compiled():
             raise DeviceError("--device cuda: the kernel library was built without CUDA (nvcc not found)")
     elif name != "cpu":
         raise DeviceError(f"unknown device {name!r} (choose auto, cpu or cuda)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tornado_moe.engine.buffers import Activations, DeviceModel, DeviceWeight
 from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
+from tornado_moe.kernels.ops import u64_as_int64
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
         g.task("argmax", "argmax", logits, next_token, 1, cfg.vocab)
     else:
         g.task("sample", "sample", logits, next_token, cfg.vocab, sampler.temperature, sampler.top_p,
-               sampler.top_k, sampler.seed, act.position)
+               sampler.top_k, u64_as_int64(sampler.seed), act.position)
     g.task("advance_position", "advance_position", act.position, T)
     g.transfer_to_host(DataTransferMode.EVERY_EXECUTION, next_token)
     return g.snapshot()

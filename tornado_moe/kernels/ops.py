@@ -36,6 +36,7 @@ __all__ = [
     "sample",
     "set_launch_limits_for_testing",
     "stream_of",
+    "u64_as_int64",
 ]
 
 # The kernels, in the order of the C kernel table (tm_kernel_name(i)); graph tasks name their kernel by these.
@@ -59,6 +60,14 @@ _U64 = 1 << 64
 def _ops() -> Any:
     load_torch_ops()
     return torch.ops.tornado_moe
+
+
+def u64_as_int64(value: int) -> int:
+    """A C uint64 argument (the sampling seed) as the int64 with the same 64 bits: torch and Java ints are
+    signed. Raises ValueError outside [0, 2**64)."""
+    if not 0 <= value < _U64:
+        raise ValueError(f"a uint64 argument must be in [0, 2**64), got {value}")
+    return value - _U64 if value >= 1 << 63 else value
 
 
 def stream_of(tensor: torch.Tensor) -> int:
@@ -243,9 +252,10 @@ def sample(
     step: torch.Tensor,
 ) -> None:
     """``seed`` is any integer in [0, 2**64) (the C uint64); it is passed to the op as the same 64 bits."""
-    if not 0 <= seed < _U64:
-        raise ValueError(f"sample: seed must be in [0, 2**64), got {seed}")
-    folded = seed - _U64 if seed >= 1 << 63 else seed
+    try:
+        folded = u64_as_int64(seed)
+    except ValueError as e:
+        raise ValueError(f"sample: seed: {e}") from None
     _ops().sample(logits, out, vocab, temperature, top_p, top_k, folded, step, stream_of(out))
 
 

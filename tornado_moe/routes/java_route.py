@@ -24,6 +24,7 @@ import torch
 from tornado_moe.errors import DeviceError, TornadoMoeError
 from tornado_moe.graph.profiler import TaskProfile
 from tornado_moe.graph.task_graph import ImmutableTaskGraph, Task
+from tornado_moe.kernels.ops import u64_as_int64
 from tornado_moe.routes.jvm import start_jvm
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
     "JavaStateError",
 ]
 
-_I64_MIN, _I64_MAX, _U64 = -(1 << 63), (1 << 63) - 1, 1 << 64
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class JavaRouteError(TornadoMoeError):
@@ -198,8 +199,11 @@ class JavaProgram:
             v = int(a)
             if letter == "f":
                 return j.JFloat(float(v))  # as the torch op's float parameter takes an int
-            if letter == "u" and _I64_MAX < v < _U64:
-                v -= _U64  # the same 64 bits, as a Java long
+            if letter == "u":
+                try:
+                    v = u64_as_int64(v)  # the same 64 bits, as a Java long
+                except ValueError as e:
+                    raise JavaArgumentError(f"{where}: {e}") from None
             if not _I64_MIN <= v <= _I64_MAX:
                 raise JavaArgumentError(f"{where} = {v} does not fit a 64-bit integer")
             return j.JLong(v)
