@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,26 +42,23 @@ def paragraph(text: str, width: int = 90) -> str:
     return textwrap.fill(" ".join(text.split()), width)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {v})")
-    return v
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {v})")
-    return v
+#: argparse type: an integer >= 1.
+positive_int = _int_at_least(1, "a positive integer")
+#: argparse type: an integer >= 0.
+non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def add_model_argument(p: argparse.ArgumentParser, *, presets: bool = False) -> None:

@@ -14,31 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+from tornado_moe.cli.common import non_negative_int, positive_int
 from tornado_moe.errors import InputError
 
 __all__ = ["register", "run"]
 
 _QTYPES = ("Q8_0", "Q4_0", "Q4_1", "F16")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,14 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="GGUF file to write")
     parser.add_argument(
-        "--layers", type=_positive_int, metavar="N", help="number of layers (overrides preset)"
+        "--layers", type=positive_int, metavar="N", help="number of layers (overrides preset)"
     )
     parser.add_argument(
-        "--experts", type=_positive_int, metavar="E", help="routed experts per layer (overrides preset)"
+        "--experts", type=positive_int, metavar="E", help="routed experts per layer (overrides preset)"
     )
     parser.add_argument(
         "--top-k",
-        type=_positive_int,
+        type=positive_int,
         metavar="K",
         help="experts used per token, <= --experts (overrides preset)",
     )
@@ -82,10 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: the preset's, Q8_0)",
     )
     parser.add_argument(
-        "--seed", type=_non_negative_int, default=0, help="random seed; same seed, same bytes (default: 0)"
+        "--seed", type=non_negative_int, default=0, help="random seed; same seed, same bytes (default: 0)"
     )
     parser.add_argument(
-        "--threads", type=_positive_int, metavar="N", help="generator threads (default: all CPU cores)"
+        "--threads", type=positive_int, metavar="N", help="generator threads (default: all CPU cores)"
     )
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     parser.set_defaults(func=run, synth_parser=parser)
