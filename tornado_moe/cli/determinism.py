@@ -68,22 +68,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tornado_moe.engine import SamplerConfig, resolve_device
-    from tornado_moe.errors import InputError
     from tornado_moe.tools.determinism import check_determinism, format_report
     from tornado_moe.tools.run_info import run_info
     from tornado_moe.tools.variants import parse_variants
 
-    if args.temperature < 0:
-        raise InputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise InputError(f"--top-k must be >= 0, got {args.top_k}")
+    sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)  # checks the flags
     device = resolve_device(args.device)
     variants = parse_variants(args.compare, device)
     path, model = load(args)
     prompt = prompt_token_ids(args, model, path)
-    sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)
     body = check_determinism(model, variants, device.type, prompt, args.max_tokens, sampler, args.runs,
                              vary_seed=args.vary_seed, max_context=args.max_context,
                              progress=lambda m: print(m, file=sys.stderr))

@@ -110,12 +110,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse contradictory or out-of-range flags before anything is loaded."""
-    if args.temperature < 0:
-        raise InputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise InputError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
+    from tornado_moe.engine import SamplerConfig
+
+    SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)  # checks the sampling flags
     if args.prompt is not None and args.prompt_ids is not None:
         raise InputError("give either --prompt or --prompt-ids, not both")
     if args.prompt_ids is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tornado_moe.engine.buffers import Activations, DeviceModel, DeviceWeight
+from tornado_moe.errors import InputError
 from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
 from tornado_moe.kernels.ops import u64_as_int64
 
@@ -25,6 +26,17 @@ class SamplerConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # One check for every caller (generate, determinism, library users); messages name the CLI flags.
+        if not self.temperature >= 0:
+            raise InputError(f"temperature (--temperature) must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top-p (--top-p) must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top-k (--top-k) must be >= 0 (0 = all tokens), got {self.top_k}")
+        if not 0 <= self.seed < 1 << 64:
+            raise InputError(f"seed (--seed) must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
