@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tornado_moe.tools.variants import Variant, free_device_memory
+from tornado_moe.tools.variants import Variant, variant_engine
 
 __all__ = ["RunTrace", "tokens_digest", "run_variants", "first_divergence", "localize", "check_determinism",
            "format_report"]
@@ -59,54 +59,50 @@ class RunTrace:
                 "n_tokens": len(self.tokens), "tokens": list(self.tokens)}
 
 
-def _engine(model: Any, variant: Variant, device: str, sampler: Any, max_context: int | None) -> Any:
-    from tornado_moe.engine import Engine
+def _trace_run(engine: Any, variant: Variant, run: int, seed: int, prompt_ids: Sequence[int],
+               n_tokens: int) -> RunTrace:
+    """One generation on ``engine`` from position 0, with the digest of every step's logits row."""
+    engine.reset()
+    tr = RunTrace(variant, run, seed)
+    h = hashlib.sha256()
 
-    return Engine(model, variant.engine_options(device, sampler=sampler, max_context=max_context))
+    def on_logits(row: torch.Tensor) -> None:
+        b = _row_bytes(row)
+        h.update(b)
+        tr.step_digests.append(hashlib.sha256(b).hexdigest())
+
+    tr.tokens, _ = engine.generate(prompt_ids, n_tokens, on_logits=on_logits)
+    tr.logits_sha256 = h.hexdigest()
+    return tr
 
 
 def run_variants(model: Any, variants: Sequence[Variant], device: str, prompt_ids: Sequence[int],
                  n_tokens: int, sampler: Any, runs: int, *, vary_seed: bool = False,
                  max_context: int | None = None, progress: Callable[[str], None] | None = None
                  ) -> list[RunTrace]:
-    """``runs`` generations per variant. One engine per variant (reset between runs), built and closed one at
-    a time; with ``vary_seed`` run i samples with seed + i, which needs an engine per run."""
+    """``runs`` generations per variant, one engine alive at a time. The seed is part of the logits
+    graph, so ``vary_seed`` (run i samples with seed + i) builds an engine per run; otherwise one engine
+    per variant serves all its runs."""
     import dataclasses
+
+    def engine_for(v: Variant, seed: int) -> Any:
+        return variant_engine(model, v, device, sampler=dataclasses.replace(sampler, seed=seed),
+                              max_context=max_context)
+
+    def trace(engine: Any, v: Variant, r: int, seed: int) -> RunTrace:
+        if progress is not None:
+            progress(f"{v.name}: run {r} (seed {seed})")
+        return _trace_run(engine, v, r, seed, prompt_ids, n_tokens)
 
     traces: list[RunTrace] = []
     for v in variants:
-        engine = None
-        engine_seed = None
-        try:
+        if vary_seed:
             for r in range(runs):
-                seed = sampler.seed + (r if vary_seed else 0)
-                if engine is None or seed != engine_seed:
-                    if engine is not None:
-                        engine.close()
-                        engine = None
-                        free_device_memory()
-                    engine = _engine(model, v, device, dataclasses.replace(sampler, seed=seed), max_context)
-                    engine_seed = seed
-                else:
-                    engine.reset()
-                if progress is not None:
-                    progress(f"{v.name}: run {r} (seed {seed})")
-                tr = RunTrace(v, r, seed)
-                h = hashlib.sha256()
-
-                def on_logits(row: torch.Tensor, tr: RunTrace = tr, h: Any = h) -> None:
-                    b = _row_bytes(row)
-                    h.update(b)
-                    tr.step_digests.append(hashlib.sha256(b).hexdigest())
-
-                tr.tokens, _ = engine.generate(prompt_ids, n_tokens, on_logits=on_logits)
-                tr.logits_sha256 = h.hexdigest()
-                traces.append(tr)
-        finally:
-            if engine is not None:
-                engine.close()
-            del engine
-            free_device_memory()
+                with engine_for(v, sampler.seed + r) as engine:
+                    traces.append(trace(engine, v, r, sampler.seed + r))
+        else:
+            with engine_for(v, sampler.seed) as engine:
+                traces += [trace(engine, v, r, sampler.seed) for r in range(runs)]
     return traces
 
 
@@ -128,13 +124,12 @@ def _hidden_trace(model: Any, variant: Variant, device: str, sampler: Any, max_c
     """Eager, task by task: per position, the digest after every graph (residual stream x after the
     embedding and each layer graph, the logits row after the logits graph), and the chosen next tokens."""
     eager = Variant(variant.fuse_experts, cuda_graphs=False, route=variant.route)
-    engine = _engine(model, eager, device, sampler, max_context)
-    names = [g.name for g in engine.plan.graphs]
-    last = len(names) - 1
-    act = engine.act
-    digests: list[list[str]] = []
-    nxt: list[int] = []
-    try:
+    with variant_engine(model, eager, device, sampler=sampler, max_context=max_context) as engine:
+        names = [g.name for g in engine.plan.graphs]
+        last = len(names) - 1
+        act = engine.act
+        digests: list[list[str]] = []
+        nxt: list[int] = []
         for tok in fed:
             row: list[str] = []
 
@@ -144,8 +139,6 @@ def _hidden_trace(model: Any, variant: Variant, device: str, sampler: Any, max_c
 
             nxt.append(engine.feed_traced(tok, after))
             digests.append(row)
-    finally:
-        engine.close()
     return digests, nxt, names
 
 
@@ -157,10 +150,8 @@ def localize(model: Any, a: RunTrace, b: RunTrace, step: int, kind: str, prompt_
     fed = list(prompt_ids) + a.tokens[:step]  # identical on both sides up to the diverging step
     da, na, names = _hidden_trace(model, a.variant, device, dataclasses.replace(sampler, seed=a.seed),
                                   max_context, fed)
-    free_device_memory()  # the first side's engine is unreferenced now: one engine at a time
     db, nb, _ = _hidden_trace(model, b.variant, device, dataclasses.replace(sampler, seed=b.seed),
                               max_context, fed)
-    free_device_memory()
     out: dict[str, Any] = {"variants": [a.variant.name, b.variant.name], "runs": [a.run, b.run],
                            "step": step, "kind": kind, "step_position": len(fed) - 1,
                            "position": None, "layer": None, "graph": None}
