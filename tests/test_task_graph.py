@@ -50,3 +50,10 @@ def test_plan_executes_profiles_and_closes() -> None:
 def test_unknown_route_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown route"):
         ExecutionPlan(device="cpu", route="opencl")
+
+
+def test_wrong_argument_count_is_rejected_at_construction() -> None:
+    x = torch.ones(1, 4)
+    expected = r"kernel 'rmsnorm' takes 6 arguments \(x, w, y, n_tokens, dim, eps\), got 5"
+    with pytest.raises(ValueError, match=expected):
+        TaskGraph("g").task("t", "rmsnorm", x, x[0], x, 1, 4)

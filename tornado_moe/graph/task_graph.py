@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tornado_moe.kernels.ops import KERNEL_NAMES
+from tornado_moe.kernels.ops import KERNEL_ARGS, KERNEL_NAMES
 
 #: One kernel argument: a tensor (passed as a device pointer), an integer, a float, a flag, or None for a
 #: nullable pointer.
@@ -75,6 +75,10 @@ class TaskGraph:
     def task(self, name: str, kernel: str, *args: Arg) -> TaskGraph:
         if kernel not in KERNELS:
             raise ValueError(f"task graph {self.name!r}: unknown kernel {kernel!r} for task {name!r}")
+        expected = KERNEL_ARGS[kernel]
+        if len(args) != len(expected):
+            raise ValueError(f"task graph {self.name!r}, task {name!r}: kernel {kernel!r} takes "
+                             f"{len(expected)} arguments ({', '.join(expected)}), got {len(args)}")
         if any(t.name == name for t in self._tasks):
             raise ValueError(f"task graph {self.name!r}: duplicate task name {name!r}")
         self._tasks.append(Task(name, kernel, tuple(args)))

@@ -17,6 +17,7 @@ import torch
 from tornado_moe.native import load_torch_ops
 
 __all__ = [
+    "KERNEL_ARGS",
     "KERNEL_NAMES",
     "DeviceProps",
     "advance_position",
@@ -39,20 +40,28 @@ __all__ = [
     "u64_as_int64",
 ]
 
-# The kernels, in the order of the C kernel table (tm_kernel_name(i)); graph tasks name their kernel by these.
-KERNEL_NAMES: tuple[str, ...] = (
-    "embedding",
-    "rmsnorm",
-    "matmul",
-    "rope_kv_append",
-    "attention",
-    "router_topk",
-    "moe_gate_up",
-    "moe_down_accumulate",
-    "argmax",
-    "sample",
-    "advance_position",
-)
+#: Argument names of every kernel, in C ABI order without ``device`` and ``stream``
+#: (csrc/include/tornado_moe.h), keyed in the order of the C kernel table (tm_kernel_name(i)). Graph tasks
+#: name their kernel by these keys and pass exactly these arguments.
+KERNEL_ARGS: dict[str, tuple[str, ...]] = {
+    "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
+    "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate"),
+    "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
+                       "head_dim", "max_ctx", "freq_base", "neox"),
+    "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
+                  "max_ctx"),
+    "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
+                    "normalize"),
+    "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
+                    "slot_count", "n_experts", "ffn", "hidden"),
+    "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
+                            "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
+    "argmax": ("logits", "out", "n_tokens", "vocab"),
+    "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
+    "advance_position": ("pos", "delta"),
+}
+KERNEL_NAMES: tuple[str, ...] = tuple(KERNEL_ARGS)
 
 _U64 = 1 << 64
 

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from tornado_moe.graph.profiler import ProfilerResult
-from tornado_moe.tools.traffic import ARG_NAMES, task_bytes
+from tornado_moe.kernels.ops import KERNEL_ARGS
+from tornado_moe.tools.traffic import task_bytes
 from tornado_moe.tools.variants import Variant, variant_engine
 
 __all__ = [
@@ -64,7 +65,7 @@ def _is_routed(kernel: str, args: Sequence[Any]) -> bool:
     """A routed-expert launch: an expert kernel that reads per-token expert ids (shared/dense FFNs do not)."""
     if kernel not in ("moe_gate_up", "moe_down_accumulate"):
         return False
-    return dict(zip(ARG_NAMES[kernel], args, strict=True))["ids"] is not None
+    return dict(zip(KERNEL_ARGS[kernel], args, strict=True))["ids"] is not None
 
 
 # ---- the per-run table of `generate --profiler` -----------------------------------------------------------

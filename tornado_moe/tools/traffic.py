@@ -20,32 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from tornado_moe.graph.task_graph import Task
+from tornado_moe.kernels.ops import KERNEL_ARGS
 
-__all__ = ["ARG_NAMES", "TaskBytes", "task_bytes"]
+__all__ = ["TaskBytes", "task_bytes"]
 
 F32 = 4
 I32 = 4
 
-#: Task argument names per kernel, in C ABI order without ``device`` and ``stream``
-#: (csrc/include/tornado_moe.h).
-ARG_NAMES: dict[str, tuple[str, ...]] = {
-    "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
-    "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
-    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate"),
-    "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
-                       "head_dim", "max_ctx", "freq_base", "neox"),
-    "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
-                  "max_ctx"),
-    "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
-                    "normalize"),
-    "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
-                    "slot_count", "n_experts", "ffn", "hidden"),
-    "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
-                            "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
-    "argmax": ("logits", "out", "n_tokens", "vocab"),
-    "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
-    "advance_position": ("pos", "delta"),
-}
 
 
 @dataclass(frozen=True)
@@ -66,7 +47,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
-    names = ARG_NAMES.get(task.kernel)
+    names = KERNEL_ARGS.get(task.kernel)
     if names is None or len(names) != len(task.args):
         raise ValueError(f"task {task.name!r}: kernel {task.kernel!r} has {len(task.args)} arguments, the "
                          f"byte model expects {len(names) if names else 'a known kernel'}")
