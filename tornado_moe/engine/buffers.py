@@ -23,7 +23,15 @@ class DeviceWeight:
     name: str
     qtype: int
     shape: tuple[int, ...]
-    data: torch.Tensor  # uint8 raw blocks, or float32 for F32 vectors used directly by kernels
+    data: torch.Tensor  # the raw GGUF bytes (uint8)
+
+    @property
+    def floats(self) -> torch.Tensor:
+        """The same memory as float32, for kernel arguments that are float pointers (norms, bias, router)."""
+        if self.qtype != 0:
+            raise ValueError(f"{self.name}: the kernels read it as float32, but it is stored as GGML type "
+                             f"{self.qtype}")
+        return self.data.view(torch.float32)
 
 
 def _to_device(raw: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -37,14 +45,6 @@ def _to_device(raw: np.ndarray, device: torch.device) -> torch.Tensor:
 def upload(t: QTensor, device: torch.device) -> DeviceWeight:
     raw = np.ascontiguousarray(t.data).reshape(-1)
     return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), _to_device(raw, device))
-
-
-def upload_f32(t: QTensor, device: torch.device) -> torch.Tensor:
-    """F32 vectors/matrices that kernels take as float pointers (norms, biases, router)."""
-    if int(t.qtype) != 0:
-        raise ValueError(f"{t.name}: expected F32, found quant type {t.qtype!r}")
-    arr = np.ascontiguousarray(t.data).reshape(-1).view(np.float32).reshape(t.shape)
-    return _to_device(arr, device)
 
 
 class Activations:
@@ -84,23 +84,12 @@ class DeviceModel:
 
         self.config = model.config
         self.device = device
-        f32_names = {
-            "attn_norm", "ffn_norm", "attn_q_bias", "attn_k_bias", "attn_v_bias",
-            "ffn_gate_inp", "ffn_gate_inp_shexp",
-        }
-        self.layers: list[dict[str, DeviceWeight | torch.Tensor | None]] = []
+        self.layers: list[dict[str, DeviceWeight | None]] = []
         it = range(self.config.n_layers)
         for i in tqdm(it, desc="upload weights", unit="layer", disable=not progress):
-            layer: dict[str, DeviceWeight | torch.Tensor | None] = {}
-            for key, t in model.layer(i).items():
-                if t is None:
-                    layer[key] = None
-                elif key in f32_names:
-                    layer[key] = upload_f32(t, device)
-                else:
-                    layer[key] = upload(t, device)
-            self.layers.append(layer)
+            self.layers.append({key: None if t is None else upload(t, device)
+                                for key, t in model.layer(i).items()})
         self.token_embd = upload(model.tensor("token_embd.weight"), device)
-        self.output_norm = upload_f32(model.tensor("output_norm.weight"), device)
+        self.output_norm = upload(model.tensor("output_norm.weight"), device)
         out = model.get("output.weight")
         self.output = upload(out, device) if out is not None else self.token_embd

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from tornado_moe.engine.buffers import Activations, DeviceModel, DeviceWeight
 from tornado_moe.errors import InputError
 from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
@@ -49,6 +51,12 @@ def _w(layer: dict, key: str) -> DeviceWeight:
     return w
 
 
+def _f32(layer: dict, key: str) -> torch.Tensor | None:
+    """An optional F32 tensor as the float pointer its kernel takes (None where the model has none)."""
+    w = layer.get(key)
+    return None if w is None else w.floats
+
+
 def _same_format(*ws: DeviceWeight) -> int:
     qtypes = {w.qtype for w in ws}
     if len(qtypes) != 1:
@@ -69,11 +77,11 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     cfg, L, T = dm.config, dm.layers[i], n_tokens
     H, hd = cfg.hidden, cfg.head_dim
     g = TaskGraph(f"layer{i}")
-    g.task("attn_norm", "rmsnorm", act.x, L["attn_norm"], act.h, T, H, cfg.rms_eps)
+    g.task("attn_norm", "rmsnorm", act.x, _f32(L, "attn_norm"), act.h, T, H, cfg.rms_eps)
     for name, out, rows in (("q", act.q, cfg.n_heads * hd), ("k", act.k, cfg.n_kv_heads * hd),
                             ("v", act.v, cfg.n_kv_heads * hd)):
         w = _w(L, f"attn_{name}")
-        bias = L[f"attn_{name}_bias"]
+        bias = _f32(L, f"attn_{name}_bias")
         g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, bias, out, T, rows, H, False)
     g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
            act.position, T, cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
@@ -81,7 +89,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context)
     wo = _w(L, "attn_output")
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
-    g.task("ffn_norm", "rmsnorm", act.x, L["ffn_norm"], act.h, T, H, cfg.rms_eps)
+    g.task("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps)
 
     # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels.
     if cfg.shared_ffn or cfg.dense_ffn:
@@ -92,11 +100,12 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         g.task(f"{label}_gate_up", "moe_gate_up", _same_format(wg, wu), wg.data, wu.data, act.h, None,
                act.act_dense, T, 1, 0, 1, 1, ffn, H)
         g.task(f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
-               L.get("ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, ffn)
+               _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, ffn)
 
     if cfg.n_experts:
         E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
-        g.task("router_topk", "router_topk", L["ffn_gate_inp"], act.h, act.expert_ids, act.expert_weights,
+        router = _f32(L, "ffn_gate_inp")
+        g.task("router_topk", "router_topk", router, act.h, act.expert_ids, act.expert_weights,
                T, E, H, k, cfg.normalize_topk)
         wg, wu, wd = _w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"), _w(L, "ffn_down_exps")
         qt = _same_format(wg, wu)
@@ -127,7 +136,7 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     last_h = act.h[T - 1:T]
     logits = act.logits[:1]
     g = TaskGraph("logits")
-    g.task("output_norm", "rmsnorm", last_x, dm.output_norm, last_h, 1, cfg.hidden, cfg.rms_eps)
+    g.task("output_norm", "rmsnorm", last_x, dm.output_norm.floats, last_h, 1, cfg.hidden, cfg.rms_eps)
     g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False)
     next_token = act.tokens[:1]
     if sampler.greedy:
