@@ -178,7 +178,9 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
     gate_up = nbytes("ffn_gate_exps") + nbytes("ffn_up_exps")
     down = nbytes("ffn_down_exps")
     sh_gate_up = nbytes("ffn_gate_shexp") + nbytes("ffn_up_shexp")
-    q_bytes = nbytes("attn_q") + 4 * cfg.n_heads * cfg.head_dim  # + the F32 bias
+    # the fused attention input reads q, k, v, their F32 biases and the F32 norm weight
+    qkv_bytes = sum(nbytes(f"attn_{n}") for n in "qkv") + 4 * cfg.hidden
+    qkv_bytes += 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     by_variant = {v["variant"]: v for v in report["variants"]}
     assert set(by_variant) == {"fused/eager/torch", "per-slot/eager/torch"}
     for name, fused in (("fused/eager/torch", True), ("per-slot/eager/torch", False)):
@@ -198,7 +200,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         tasks = {(t["graph"], t["task"]): t for t in v["tasks"]}
         assert all(t["launches_measured"] == 1 for t in v["tasks"])
         assert all(isinstance(t["time_us"], float) and t["time_us"] > 0 for t in v["tasks"])
-        assert tasks[("layer0", "attn_q")]["weight_bytes"] == q_bytes
+        assert tasks[("layer0", "attn_qkv")]["weight_bytes"] == qkv_bytes
         assert tasks[("layer0", "shared_expert_gate_up")]["weight_bytes"] == sh_gate_up
         if fused:
             assert tasks[("layer0", "routed_experts_gate_up_swiglu")]["weight_bytes"] == pytest.approx(

@@ -25,12 +25,20 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \
+  int PREFIX##qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,             \
+                       const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,       \
+                       float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,             \
+                       int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,       \
+                       float freq_base, int neox, void* stream);                                                    \
   int PREFIX##attention(const float* q, const float* k_cache, const float* v_cache, float* out,               \
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,             \
                         int64_t head_dim, int64_t max_ctx, void* stream);                                     \
   int PREFIX##router_topk(const float* w_router, const float* h, int32_t* ids, float* weights,                \
                           int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,  \
                           void* stream);                                                                       \
+  int PREFIX##rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,                     \
+                                  const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,             \
+                                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, void* stream);   \
   int PREFIX##moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids, \
                           float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, \
                           int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);                      \

@@ -139,17 +139,68 @@ TM_API int tm_embedding(tm_device device, int qtype, const void* table, const in
   return TM_FORWARD(embedding, device, qtype, table, ids, out, n_tokens, vocab, dim, stream);
 }
 
+namespace {
+// The checks of the unfused kernels, shared with the fused ones that stand for them (argument names as in the
+// header; the fused kernels name their own arguments).
+int check_rmsnorm_args(const char* fn, const char* x_name, const float* x, const char* w_name, const float* w,
+                       const char* y_name, const float* y, int64_t n_tokens, const char* dim_name, int64_t dim,
+                       float eps) {
+  TM_TRY(check_ptr(fn, x_name, x));
+  TM_TRY(check_ptr(fn, w_name, w));
+  TM_TRY(check_ptr(fn, y_name, y));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, dim_name, dim));
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
+  return TM_OK;
+}
+
+int check_rope_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
+                    int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
+                    float freq_base) {
+  TM_TRY(check_ptr(fn, "q", q));
+  TM_TRY(check_ptr(fn, "k_cache", k_cache));
+  TM_TRY(check_ptr(fn, "v_cache", v_cache));
+  TM_TRY(check_ptr(fn, "pos", pos));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_heads", n_heads));
+  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
+  TM_TRY(check_positive(fn, "head_dim", head_dim));
+  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
+  if (head_dim % 2 != 0)
+    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
+                        head_dim);
+  if (n_tokens > max_ctx)
+    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
+                        max_ctx);
+  if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
+    return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
+  return TM_OK;
+}
+
+int check_router_args(const char* fn, const float* w_router, const char* h_name, const float* h, const int32_t* ids,
+                      const float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k) {
+  TM_TRY(check_ptr(fn, "w_router", w_router));
+  TM_TRY(check_ptr(fn, h_name, h));
+  TM_TRY(check_ptr(fn, "ids", ids));
+  TM_TRY(check_ptr(fn, "weights", weights));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  if (top_k > n_experts)
+    return tm_set_error(kInvalid, "%s: top_k = %" PRId64 " exceeds n_experts = %" PRId64, fn, top_k, n_experts);
+  if (n_experts > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: n_experts = %" PRId64 " does not fit the int32 expert ids", fn, n_experts);
+  return TM_OK;
+}
+}  // namespace
+
 TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim,
                       float eps, void* stream) {
   const char* fn = "tm_rmsnorm";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "x", x));
-  TM_TRY(check_ptr(fn, "w", w));
-  TM_TRY(check_ptr(fn, "y", y));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "dim", dim));
-  if (!(eps >= 0.0f) || !std::isfinite(eps))
-    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "w", w, "y", y, n_tokens, "dim", dim, eps));
   return TM_FORWARD(rmsnorm, device, x, w, y, n_tokens, dim, eps, stream);
 }
 
@@ -174,27 +225,29 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
                              void* stream) {
   const char* fn = "tm_rope_kv_append";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "q", q));
   TM_TRY(check_ptr(fn, "k", k));
   TM_TRY(check_ptr(fn, "v", v));
-  TM_TRY(check_ptr(fn, "k_cache", k_cache));
-  TM_TRY(check_ptr(fn, "v_cache", v_cache));
-  TM_TRY(check_ptr(fn, "pos", pos));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "n_heads", n_heads));
-  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
-  TM_TRY(check_positive(fn, "head_dim", head_dim));
-  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
-  if (head_dim % 2 != 0)
-    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
-                        head_dim);
-  if (n_tokens > max_ctx)
-    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
-                        max_ctx);
-  if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
-    return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
+  TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
   return TM_FORWARD(rope_kv_append, device, q, k, v, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads,
                     head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
+}
+
+TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
+                       const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
+                       float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
+                       int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
+                       int neox, void* stream) {
+  const char* fn = "tm_qkv_rope";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "q", q, n_tokens, "hidden", hidden, eps));
+  TM_TRY(check_ptr(fn, "w_q", w_q));
+  TM_TRY(check_ptr(fn, "w_k", w_k));
+  TM_TRY(check_ptr(fn, "w_v", w_v));
+  TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
+  TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
+  return TM_FORWARD(qkv_rope, device, qtype, x, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
+                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
 }
 
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
@@ -227,20 +280,20 @@ TM_API int tm_router_topk(tm_device device, const float* w_router, const float* 
                           void* stream) {
   const char* fn = "tm_router_topk";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "w_router", w_router));
-  TM_TRY(check_ptr(fn, "h", h));
-  TM_TRY(check_ptr(fn, "ids", ids));
-  TM_TRY(check_ptr(fn, "weights", weights));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "n_experts", n_experts));
-  TM_TRY(check_positive(fn, "hidden", hidden));
-  TM_TRY(check_positive(fn, "top_k", top_k));
-  if (top_k > n_experts)
-    return tm_set_error(kInvalid, "%s: top_k = %" PRId64 " exceeds n_experts = %" PRId64, fn, top_k, n_experts);
-  if (n_experts > INT32_MAX)
-    return tm_set_error(kInvalid, "%s: n_experts = %" PRId64 " does not fit the int32 expert ids", fn, n_experts);
+  TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
   return TM_FORWARD(router_topk, device, w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k,
                     normalize ? 1 : 0, stream);
+}
+
+TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float* norm_w, float eps, float* h,
+                                  const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
+                                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, void* stream) {
+  const char* fn = "tm_rmsnorm_router_topk";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
+  TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
+  return TM_FORWARD(rmsnorm_router_topk, device, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                    hidden, top_k, normalize ? 1 : 0, stream);
 }
 
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,

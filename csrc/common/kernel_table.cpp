@@ -60,6 +60,15 @@ const KernelRow kKernels[] = {
                                 i64(a[8]), i64(a[9]), i64(a[10]), f32(a[11]), i32(a[12]), s);
      },
      0},
+    {"qkv_rope", "qppfpppnnnppppiiiiiifb",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_qkv_rope(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]), f32(a[3]),
+                          ptr<const void>(a[4]), ptr<const void>(a[5]), ptr<const void>(a[6]), ptr<const float>(a[7]),
+                          ptr<const float>(a[8]), ptr<const float>(a[9]), ptr<float>(a[10]), ptr<float>(a[11]),
+                          ptr<float>(a[12]), ptr<const int32_t>(a[13]), i64(a[14]), i64(a[15]), i64(a[16]), i64(a[17]),
+                          i64(a[18]), i64(a[19]), f32(a[20]), i32(a[21]), s);
+     },
+     0},
     {"attention", "pppppiiiii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_attention(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]),
@@ -71,6 +80,13 @@ const KernelRow kKernels[] = {
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_topk(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<int32_t>(a[2]),
                              ptr<float>(a[3]), i64(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), s);
+     },
+     0},
+    {"rmsnorm_router_topk", "ppfppppiiiib",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_rmsnorm_router_topk(d, ptr<const float>(a[0]), ptr<const float>(a[1]), f32(a[2]), ptr<float>(a[3]),
+                                     ptr<const float>(a[4]), ptr<int32_t>(a[5]), ptr<float>(a[6]), i64(a[7]),
+                                     i64(a[8]), i64(a[9]), i64(a[10]), i32(a[11]), s);
      },
      0},
     {"moe_gate_up", "qpppnpiiiiiii",

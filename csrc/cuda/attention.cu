@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(256)
   const int64_t heads = n_heads + n_kv;
   const int64_t n_rot = n_tokens * heads * half;
   const int64_t total = n_rot + n_tokens * n_kv * head_dim;
-  const int64_t p0 = __ldg(pos);
+  pdl_begin();
+  const int64_t p0 = pos[0];
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (idx < n_rot) {
@@ -61,14 +62,14 @@ __global__ void __launch_bounds__(256)
       const int64_t ib = neox ? i + half : 2 * i + 1;
       if (hh < n_heads) {
         float* qh = q + (t * n_heads + hh) * head_dim;
-        const float a = qh[ia], b = qh[ib];
+        const float a = __ldcg(qh + ia), b = __ldcg(qh + ib);  // in place: read around L1 (see common.cuh)
         qh[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
         qh[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
       } else if (p >= 0 && p < max_ctx) {
         const int64_t kh = hh - n_heads;
         const float* src = k + (t * n_kv + kh) * head_dim;
         float* dst = k_cache + (p * n_kv + kh) * head_dim;
-        const float a = __ldg(src + ia), b = __ldg(src + ib);
+        const float a = src[ia], b = src[ib];
         dst[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
         dst[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
       }
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(256)
       const int64_t kh = rest % n_kv;
       const int64_t t = rest / n_kv;
       const int64_t p = p0 + t;
-      if (p >= 0 && p < max_ctx) v_cache[(p * n_kv + kh) * head_dim + j % head_dim] = __ldg(v + j);
+      if (p >= 0 && p < max_ctx) v_cache[(p * n_kv + kh) * head_dim + j % head_dim] = v[j];
     }
   }
 }
@@ -130,18 +131,35 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   const int64_t pair = pair0 + blockIdx.x / kAttCluster;  // = t * n_heads + h
   const int64_t t = pair / n_heads, h = pair % n_heads;
   const int64_t kvh = h / (n_heads / n_kv);
-  int64_t n_pos = static_cast<int64_t>(__ldg(pos)) + t + 1;
-  if (n_pos > max_ctx) n_pos = max_ctx;
-  if (n_pos < 0) n_pos = 0;
   const int64_t row_stride = n_kv * head_dim;
   const float* kb = k_cache + kvh * head_dim;
   const float* vb = v_cache + kvh * head_dim;
+  auto context = [&](int64_t p0) {
+    int64_t n = p0 + t + 1;
+    return n > max_ctx ? max_ctx : (n < 0 ? 0 : n);
+  };
+  {
+    // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
+    const int64_t n_guess = context(static_cast<int64_t>(*reinterpret_cast<const volatile int32_t*>(pos)));
+    const int64_t lines = (head_dim * 4 + 127) / 128;
+    for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
+      const int64_t j = tile * kAttTile + lane;
+      if (j < n_guess) {
+        for (int64_t c = 0; c < lines; ++c) {
+          prefetch_l2(kb + j * row_stride + 32 * c);
+          prefetch_l2(vb + j * row_stride + 32 * c);
+        }
+      }
+    }
+  }
+  pdl_begin();
+  const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
 
   float qr[DPL], acc[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
     const int d = lane + 32 * i;
-    qr[i] = d < head_dim ? __ldg(q + pair * head_dim + d) : 0.0f;
+    qr[i] = d < head_dim ? q[pair * head_dim + d] : 0.0f;
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
@@ -157,7 +175,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
 #pragma unroll
       for (int i = 0; i < DPL; ++i) {
         const int d = lane + 32 * i;
-        if (d < head_dim) sacc = __fmaf_rn(qr[i], __ldg(kr + d), sacc);
+        if (d < head_dim) sacc = __fmaf_rn(qr[i], kr[d], sacc);
       }
       part[j] = sacc;
     }
@@ -170,19 +188,30 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     float tacc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) tacc[i] = 0.0f;
-    // Groups of 8 positions, unrolled, so that 8 rows of values are in flight together; rows past the tile end
-    // re-read a valid row and are not added (the order stays j = 0, 1, ...).
-    for (int j0 = 0; j0 < nvalid; j0 += 8) {
+    // Groups of kVGroup positions, unrolled, so that their rows of values are in flight together; rows past the
+    // tile end re-read a valid row and are not added (the order stays j = 0, 1, ...).
+    constexpr int kVGroup = DPL <= 4 ? 16 : 64 / DPL;
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = j0 + jj;
-        const float ej = __shfl_sync(kFullMask, e, j);
-        const float* vr = vb + (base + (j < nvalid ? j : 0)) * row_stride;
+    for (int j0 = 0; j0 < kAttTile; j0 += kVGroup) {
+      if (j0 < nvalid) {
+        float vv[kVGroup][DPL];
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + 32 * i;
-          const float vv = d < head_dim ? __ldg(vr + d) : 0.0f;
-          if (j < nvalid) tacc[i] = __fmaf_rn(ej, vv, tacc[i]);
+        for (int jj = 0; jj < kVGroup; ++jj) {
+          const int j = j0 + jj;
+          const float* vr = vb + (base + (j < nvalid ? j : 0)) * row_stride;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) {
+            const int d = lane + 32 * i;
+            vv[jj][i] = d < head_dim ? vr[d] : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < kVGroup; ++jj) {
+          const int j = j0 + jj;
+          const float ej = __shfl_sync(kFullMask, e, j);
+#pragma unroll
+          for (int i = 0; i < DPL; ++i)
+            if (j < nvalid) tacc[i] = __fmaf_rn(ej, vv[jj][i], tacc[i]);
         }
       }
     }
@@ -288,9 +317,9 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
   const int64_t max_pairs = lim.max_grid_x / kAttCluster;
   for (int64_t p0 = 0; p0 < n_pairs; p0 += max_pairs) {
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
-    attention_kernel<DPL><<<static_cast<unsigned>(np * kAttCluster), kAttWarps * 32, static_cast<size_t>(smem), s>>>(
-        q, k_cache, v_cache, out, pos, n_heads, n_kv, head_dim, max_ctx, scale, p0);
-    TM_LAUNCH_CHECK(s, "tm_attention");
+    TM_STATUS_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttCluster)),
+                         dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads,
+                         n_kv, head_dim, max_ctx, scale, p0));
   }
   return TM_OK;
 }
@@ -315,11 +344,8 @@ extern "C" int tm_cuda_rope_kv_append(float* q, const float* k, const float* v, 
   int64_t blocks = ceil_div(total, 256);
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 8;
   if (blocks > max_blocks) blocks = max_blocks;
-  const cudaStream_t s = as_stream(stream);
-  rope_kv_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(q, k, v, k_cache, v_cache, pos, n_tokens, n_heads,
-                                                                n_kv_heads, head_dim, max_ctx, freq_base, neox);
-  TM_LAUNCH_CHECK(s, fn);
-  return TM_OK;
+  return launch(lim, fn, rope_kv_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, as_stream(stream), q, k, v,
+                k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox);
 }
 
 extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const float* v_cache, float* out,

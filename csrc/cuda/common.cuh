@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "backends.h"
 #include "qtypes.h"
@@ -54,6 +55,8 @@ struct Limits {
   int64_t max_grid_x;   // blocks in x per launch
   int64_t max_grid_yz;  // blocks in y (and z) per launch: min(65535, device y/z limits, test cap)
   int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
+  int64_t smem_sm;      // shared memory of one multiprocessor (what co-resident blocks share)
+  bool pdl;             // launch with programmatic dependent launch (TORNADO_MOE_PDL=0 turns it off)
 };
 int get_limits(Limits* out);
 
@@ -62,6 +65,27 @@ int get_limits(Limits* out);
 int ensure_dynamic_smem(const void* func, int64_t bytes, const char* kernel);
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Every kernel is launched through launch(): with programmatic dependent launch (PDL) the next kernel of the
+// stream may start while this one drains, and every kernel follows one protocol (see pdl_wait below), so the
+// overlap never changes a result.
+template <typename... KArgs, typename... Args>
+int launch(const Limits& lim, const char* fn, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+           cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = lim.pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) return tm_set_error(TM_ERR_CUDA, "%s: kernel launch failed: %s", fn, cudaGetErrorString(err));
+  return launch_check(stream, fn);
+}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -72,6 +96,26 @@ inline bool aligned(const void* p, uintptr_t align) { return (reinterpret_cast<u
 // whose blocks are read as 16-bit words; 4 bytes for F32) and 4 bytes for float32 activations.
 int check_weight_alignment(const char* kernel, const char* arg, int qtype, const void* p);
 int check_f32_alignment(const char* kernel, const char* arg, const void* p);
+
+// ---- programmatic dependent launch -------------------------------------------------------------------------
+// The protocol every kernel follows: before pdl_wait() it may only read immutable data (weights) and issue cache
+// prefetches; pdl_wait() returns once the previous kernel of the stream has completed and its writes are visible;
+// pdl_trigger() comes after pdl_wait() and lets the next kernel start. Hence when a kernel starts, every kernel
+// before its predecessor has completed, and a kernel completes only after its predecessor did. Both are no-ops
+// for a launch without the PDL attribute. A kernel that updates values in place that other blocks of it read
+// around (a residual row, a rotated q) reads them with __ldcg, so no multiprocessor's L1 keeps a line that another
+// one rewrites while the next kernel may already run.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_trigger();
+}
+
+// A hint that the 128-byte line holding p will be read soon (no fault, no effect on results).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 
 // ---- device helpers ---------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@
  */
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -20,6 +21,7 @@ struct DeviceInfo {
   int sm_count = 0;
   int max_grid_x = 0, max_grid_y = 0, max_grid_z = 0;
   int64_t smem_optin = 0;
+  int64_t smem_sm = 0;
   int64_t l2_bytes = 0;
   char name[256] = {0};
 };
@@ -51,6 +53,8 @@ int device_info(int device, DeviceInfo* out) {
     info.max_grid_z = v;
     TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what);
     info.smem_optin = v;
+    TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), what);
+    info.smem_sm = v;
     TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, device), what);
     info.l2_bytes = v;
     cudaDeviceProp prop;
@@ -90,6 +94,13 @@ int get_limits(Limits* out) {
   const int64_t cap_smem = g_cap_smem.load(std::memory_order_relaxed);
   if (cap_smem > 0 && cap_smem < smem) smem = cap_smem;
   out->smem_block = smem;
+  out->smem_sm = info.smem_sm;
+  // Read once per process: TORNADO_MOE_PDL=0 launches every kernel without programmatic dependent launch.
+  static const bool pdl = [] {
+    const char* v = std::getenv("TORNADO_MOE_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  out->pdl = pdl;
   return TM_OK;
 }
 
@@ -150,6 +161,7 @@ int check_f32_alignment(const char* kernel, const char* arg, const void* p) {
 
 namespace {
 __global__ void advance_position_kernel(int32_t* pos, int32_t delta) {
+  pdl_begin();
   pos[0] = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
 }
 }  // namespace
@@ -236,10 +248,10 @@ int tm_cuda_stream_synchronize_impl(void* stream) {
 }
 
 int tm_cuda_advance_position(int32_t* pos, int32_t delta, void* stream) {
-  const cudaStream_t s = as_stream(stream);
-  advance_position_kernel<<<1, 1, 0, s>>>(pos, delta);
-  TM_LAUNCH_CHECK(s, "tm_advance_position");
-  return TM_OK;
+  Limits lim;
+  TM_STATUS_TRY(get_limits(&lim));
+  return launch(lim, "tm_advance_position", advance_position_kernel, dim3(1), dim3(1), 0, as_stream(stream), pos,
+                delta);
 }
 
 }  // extern "C"

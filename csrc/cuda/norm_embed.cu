@@ -13,40 +13,21 @@
  */
 #include <cmath>
 
-#include "common.cuh"
+#include "norm.cuh"
 
 namespace tm_cuda {
 namespace {
 
-constexpr int kNormThreads = 256;
-constexpr int kNormWarps = kNormThreads / 32;
-
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(const float* x, const float* __restrict__ w, float* y, int64_t n_tokens, int64_t dim, float eps) {
-  __shared__ float warp_part[kNormWarps];
-  __shared__ float s_inv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float scratch[kNormWarps + 1];
+  pdl_begin();
   for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
     const float* xt = x + t * dim;
     float* yt = y + t * dim;
-    float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
-      const float v = xt[i];
-      ss = __fmaf_rn(v, v, ss);
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) warp_part[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-      float v = lane < kNormWarps ? warp_part[lane] : 0.0f;
-      v = warp_sum(v);
-      if (lane == 0)
-        s_inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(v, static_cast<float>(dim)), eps)));
-    }
-    __syncthreads();
-    const float inv = s_inv;
-    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) yt[i] = __fmul_rn(__fmul_rn(xt[i], inv), __ldg(w + i));
-    __syncthreads();  // warp_part / s_inv are reused by the next token
+    const float inv = block_rms_inv(xt, dim, eps, scratch);  // its barriers order every read of x before the writes
+    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) yt[i] = rms_apply(xt[i], inv, __ldg(w + i));
+    __syncthreads();  // y may alias x: the next token's reads come after these writes
   }
 }
 
@@ -86,10 +67,11 @@ __global__ void __launch_bounds__(256)
     embedding_kernel(int qtype, const uint8_t* __restrict__ table, const int32_t* __restrict__ ids,
                      float* __restrict__ out, int64_t n_tokens, int64_t vocab, int64_t dim, int64_t row_bytes) {
   const int64_t total = n_tokens * dim;
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / dim, c = i % dim;
-    const int64_t id = __ldg(ids + t);
+    const int64_t id = ids[t];
     out[i] = (id < 0 || id >= vocab) ? __int_as_float(0x7fc00000) : decode_value(qtype, table + id * row_bytes, c);
   }
 }
@@ -106,15 +88,11 @@ extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* id
   TM_STATUS_TRY(check_f32_alignment(fn, "out", out));
   Limits lim;
   TM_STATUS_TRY(get_limits(&lim));
-  const cudaStream_t s = as_stream(stream);
   int64_t blocks = ceil_div(n_tokens * dim, 256);
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 16;
   if (blocks > max_blocks) blocks = max_blocks;
-  embedding_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(qtype, static_cast<const uint8_t*>(table), ids, out,
-                                                                  n_tokens, vocab, dim,
-                                                                  tm_qtype_row_bytes(qtype, dim));
-  TM_LAUNCH_CHECK(s, fn);
-  return TM_OK;
+  return launch(lim, fn, embedding_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, as_stream(stream), qtype,
+                static_cast<const uint8_t*>(table), ids, out, n_tokens, vocab, dim, tm_qtype_row_bytes(qtype, dim));
 }
 
 extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,
@@ -125,11 +103,9 @@ extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t
   TM_STATUS_TRY(check_f32_alignment(fn, "y", y));
   Limits lim;
   TM_STATUS_TRY(get_limits(&lim));
-  const cudaStream_t s = as_stream(stream);
   int64_t blocks = n_tokens;
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 32;
   if (blocks > max_blocks) blocks = max_blocks;
-  rmsnorm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, s>>>(x, w, y, n_tokens, dim, eps);
-  TM_LAUNCH_CHECK(s, fn);
-  return TM_OK;
+  return launch(lim, fn, rmsnorm_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kNormThreads), 0,
+                as_stream(stream), x, w, y, n_tokens, dim, eps);
 }

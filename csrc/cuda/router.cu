@@ -1,12 +1,15 @@
 /*
- * router.cu - tm_router_topk on CUDA.
+ * router.cu - tm_router_topk and tm_rmsnorm_router_topk on CUDA (one kernel; the fused entry first normalises x).
  *
  * Launch shape: one thread-block cluster of 8 blocks x 8 warps per token (grid x = 8 * tokens; tokens beyond
- * max_grid_x / 8 go to further launches). The experts are processed in chunks of C experts (C a multiple of 32,
- * as many as block 0's shared memory holds within the opt-in limit and the test cap, at most 16384): the 64 warps
- * of the cluster compute the chunk's logits (warp w of block b takes experts b * 8 + w, + 64, ...; each logit is
- * qdot.cuh's warp_dot of the F32 router row with h[t], the same bits whichever warp computes it) and write them
- * into block 0's shared memory (distributed shared memory); block 0 then does the rest:
+ * max_grid_x / 8 go to further launches). Every block first puts the token's h into its shared memory: h[t] as
+ * given, or rmsnorm(x[t]) computed with norm.cuh's tree (the bits tm_rmsnorm writes; block 0 also stores it to h).
+ * The experts are processed in chunks of C experts (C a multiple of 32, as many as block 0's shared memory holds
+ * within the opt-in limit and the test cap, at most 16384): the 64 warps of the cluster compute the chunk's logits
+ * (warp w of block b takes experts b * 8 + w, + 64, ...; a logit is the dot product of the F32 router row with h:
+ * lane l adds the 4-value groups l, l + 32, ... (single values when hidden % 4 != 0) with fma in increasing order,
+ * then warp_sum) and write them into block 0's shared memory (distributed shared memory); block 0 then does the
+ * rest:
  *   pass 1: M = max logit (exact, order-free);
  *   pass 2: Z = sum of exp(logit - M): 32-expert groups (absolute expert ids 32g .. 32g + 31) summed with
  *           warp_sum, group sums added one after the other in increasing g by one thread;
@@ -17,13 +20,14 @@
  * pass recomputes them chunk by chunk. Chunks start at multiples of C (itself a multiple of 32), so every
  * reduction has the same order whatever C is: the result does not depend on the limits. Outputs in pick order
  * (descending p): ids[t, i], weights[t, i] = p, or p / S with S the serial sum of the picked p when normalizing.
+ * Before pdl_wait each warp prefetches its first router rows into L2.
  */
 #include <cooperative_groups.h>
 
 #include <climits>
 #include <cmath>
 
-#include "qdot.cuh"
+#include "norm.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -49,6 +53,8 @@ __device__ __forceinline__ bool ranks_before(float ka, int ia, float kb, int ib)
 }
 
 struct RouterSmem {
+  float* hbuf;      // [hidden rounded up to 4] the token's h
+  float* norm;      // [kNormWarps + 1] norm scratch
   float* buf;       // [C] logits, then probabilities, of the current chunk
   float* gsum;      // [C / 32] group sums
   Pick* list;       // [top_k] picks so far
@@ -58,13 +64,18 @@ struct RouterSmem {
   float* scalars;   // [0] M, [1] Z
 };
 
-__host__ __device__ inline int64_t router_smem_bytes(int64_t chunk, int64_t top_k) {
-  return chunk * 4 + (chunk / 32) * 4 + 2 * top_k * static_cast<int64_t>(sizeof(Pick)) + kRtWarps * 8 + 16;
+__host__ __device__ inline int64_t router_h_floats(int64_t hidden) { return (hidden + 3) / 4 * 4; }
+
+__host__ __device__ inline int64_t router_smem_bytes(int64_t chunk, int64_t top_k, int64_t hidden) {
+  return (router_h_floats(hidden) + kNormWarps + 4) * 4 + chunk * 4 + (chunk / 32) * 4 +
+         2 * top_k * static_cast<int64_t>(sizeof(Pick)) + kRtWarps * 8 + 16;
 }
 
-__device__ __forceinline__ RouterSmem router_smem(unsigned char* base, int64_t chunk, int64_t top_k) {
+__device__ __forceinline__ RouterSmem router_smem(unsigned char* base, int64_t chunk, int64_t top_k, int64_t hidden) {
   RouterSmem s;
-  s.buf = reinterpret_cast<float*>(base);
+  s.hbuf = reinterpret_cast<float*>(base);
+  s.norm = s.hbuf + router_h_floats(hidden);
+  s.buf = s.norm + kNormWarps + 4;
   s.gsum = s.buf + chunk;
   s.list = reinterpret_cast<Pick*>(s.gsum + chunk / 32);
   s.next = s.list + top_k;
@@ -102,34 +113,72 @@ __device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int&
   __syncthreads();  // scratch reused by the next call
 }
 
+// The logit of router row w (hidden values) with h in shared memory (order above; V: 16-byte weight loads).
+template <bool X4, bool V>
+__device__ __forceinline__ float router_logit(const float* __restrict__ w, const float* hs, int64_t hidden) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.0f;
+  if constexpr (X4) {
+    for (int64_t g = lane; 4 * g < hidden; g += 32) {
+      float4 wv;
+      if constexpr (V) {
+        wv = __ldg(reinterpret_cast<const float4*>(w) + g);
+      } else {
+        wv = make_float4(__ldg(w + 4 * g), __ldg(w + 4 * g + 1), __ldg(w + 4 * g + 2), __ldg(w + 4 * g + 3));
+      }
+      const float4 hv = *reinterpret_cast<const float4*>(hs + 4 * g);
+      acc = __fmaf_rn(wv.x, hv.x, acc);
+      acc = __fmaf_rn(wv.y, hv.y, acc);
+      acc = __fmaf_rn(wv.z, hv.z, acc);
+      acc = __fmaf_rn(wv.w, hv.w, acc);
+    }
+  } else {
+    for (int64_t i = lane; i < hidden; i += 32) acc = __fmaf_rn(__ldg(w + i), hs[i], acc);
+  }
+  return warp_sum(acc);
+}
+
+// x == nullptr: h is the input; otherwise h = rmsnorm(x, norm_w, eps) is computed here and stored to h.
 template <bool X4, bool V>
 __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads, 1)
-    router_kernel(const float* __restrict__ w_router, const float* __restrict__ h, int32_t* __restrict__ ids,
-                  float* __restrict__ weights, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
-                  int64_t chunk, int64_t tok0) {
+    router_kernel(const float* x, const float* __restrict__ norm_w, float eps, float* h,
+                  const float* __restrict__ w_router, int32_t* __restrict__ ids, float* __restrict__ weights,
+                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t chunk, int64_t tok0) {
+  static_assert(kRtThreads == kNormThreads, "the block computes norm.cuh's tree");
   extern __shared__ __align__(16) unsigned char router_raw[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = tok0 + blockIdx.x / kRtCluster;
-  const RouterSmem s = router_smem(router_raw, chunk, top_k);
+  const RouterSmem s = router_smem(router_raw, chunk, top_k, hidden);
   float* buf0 = cluster.map_shared_rank(s.buf, 0);
-  const float* ht = h + t * hidden;
   const int64_t n_chunks = (n_experts + chunk - 1) / chunk;
-  const int64_t row_blocks = X4 ? hidden / 4 : hidden;
+
+  for (int64_t e = rank * kRtWarps + warp; e < n_experts && e < chunk; e += kRtCluster * kRtWarps)
+    for (int64_t b = 32 * lane; b < hidden; b += 32 * 32) prefetch_l2(w_router + e * hidden + b);
+  pdl_begin();
+
+  // The token's h into shared memory.
+  float* ht = h + t * hidden;
+  if (x != nullptr) {
+    const float* xt = x + t * hidden;
+    const float inv = block_rms_inv(xt, hidden, eps, s.norm);
+    for (int64_t i = threadIdx.x; i < hidden; i += kRtThreads) {
+      const float v = rms_apply(xt[i], inv, __ldg(norm_w + i));
+      s.hbuf[i] = v;
+      if (rank == 0) ht[i] = v;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < hidden; i += kRtThreads) s.hbuf[i] = ht[i];
+  }
+  __syncthreads();
 
   // Distributed shared memory may be written only once every block of the cluster has started: each block
   // arrives here and waits (in the first compute_chunk) after its first dot product, before its first remote write.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Logits of chunk c into block 0's buffer (every block of the cluster takes part).
-  auto logit_of = [&](int64_t e) {
-    const uint8_t* wr[1] = {reinterpret_cast<const uint8_t*>(w_router + e * hidden)};
-    const float* xs[1] = {ht};
-    float logit[1][1];
-    warp_dot<X4 ? Fmt::F32X4 : Fmt::F32, 1, 1, true, V>(wr, xs, row_blocks, logit);
-    return logit[0][0];
-  };
+  auto logit_of = [&](int64_t e) { return router_logit<X4, V>(w_router + e * hidden, s.hbuf, hidden); };
   auto compute_chunk = [&](int64_t c, bool first_call) {
     const int64_t e0 = c * chunk;
     const int64_t n = n_experts - e0 < chunk ? n_experts - e0 : chunk;
@@ -268,31 +317,53 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
 }
 
 template <bool X4, bool V>
-int launch_router(const Limits& lim, cudaStream_t st, const float* w_router, const float* h, int32_t* ids,
-                  float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize) {
-  const char* fn = "tm_router_topk";
+int launch_router(const Limits& lim, cudaStream_t st, const char* fn, const float* x, const float* norm_w, float eps,
+                  float* h, const float* w_router, int32_t* ids, float* weights, int64_t n_tokens, int64_t n_experts,
+                  int64_t hidden, int64_t top_k, int normalize) {
   int64_t chunk = ((n_experts + 31) / 32) * 32;
   if (chunk > kRtMaxChunk) chunk = kRtMaxChunk;
-  if (router_smem_bytes(chunk, top_k) > lim.smem_block) {
+  if (router_smem_bytes(chunk, top_k, hidden) > lim.smem_block) {
     // 32 experts cost 132 bytes (logits and their group sum): the largest multiple of 32 that fits
-    const int64_t fit = (lim.smem_block - router_smem_bytes(0, top_k)) / 132 * 32;
+    const int64_t fit = (lim.smem_block - router_smem_bytes(0, top_k, hidden)) / 132 * 32;
     chunk = fit < 32 ? 32 : fit;
   }
-  const int64_t smem = router_smem_bytes(chunk, top_k);
+  const int64_t smem = router_smem_bytes(chunk, top_k, hidden);
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
-                        "%s: top_k = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
-                        static_cast<long long>(top_k), static_cast<long long>(smem),
-                        static_cast<long long>(lim.smem_block));
+                        "%s: top_k = %lld and hidden = %lld need %lld bytes of shared memory per block, above the "
+                        "limit %lld",
+                        fn, static_cast<long long>(top_k), static_cast<long long>(hidden),
+                        static_cast<long long>(smem), static_cast<long long>(lim.smem_block));
   TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_kernel<X4, V>), smem, fn));
   const int64_t max_tokens = lim.max_grid_x / kRtCluster;
   for (int64_t t0 = 0; t0 < n_tokens; t0 += max_tokens) {
     const int64_t nt = n_tokens - t0 < max_tokens ? n_tokens - t0 : max_tokens;
-    router_kernel<X4, V><<<static_cast<unsigned>(nt * kRtCluster), kRtThreads, static_cast<size_t>(smem), st>>>(
-        w_router, h, ids, weights, n_experts, hidden, top_k, normalize, chunk, t0);
-    TM_LAUNCH_CHECK(st, fn);
+    TM_STATUS_TRY(launch(lim, fn, router_kernel<X4, V>, dim3(static_cast<unsigned>(nt * kRtCluster)),
+                         dim3(kRtThreads), static_cast<size_t>(smem), st, x, norm_w, eps, h, w_router, ids, weights,
+                         n_experts, hidden, top_k, normalize, chunk, t0));
   }
   return TM_OK;
+}
+
+int router_entry(const char* fn, const float* x, const float* norm_w, float eps, float* h, const float* w_router,
+                 int32_t* ids, float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
+                 int normalize, void* stream) {
+  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
+  TM_STATUS_TRY(check_f32_alignment(fn, "norm_w", norm_w));
+  TM_STATUS_TRY(check_f32_alignment(fn, "w_router", w_router));
+  TM_STATUS_TRY(check_f32_alignment(fn, "h", h));
+  TM_STATUS_TRY(check_f32_alignment(fn, "weights", weights));
+  Limits lim;
+  TM_STATUS_TRY(get_limits(&lim));
+  const cudaStream_t st = as_stream(stream);
+  if (hidden % 4 != 0)
+    return launch_router<false, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                                       hidden, top_k, normalize);
+  if (aligned(w_router, 16))
+    return launch_router<true, true>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                                     hidden, top_k, normalize);
+  return launch_router<true, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                                    hidden, top_k, normalize);
 }
 
 }  // namespace
@@ -303,19 +374,15 @@ using namespace tm_cuda;
 extern "C" int tm_cuda_router_topk(const float* w_router, const float* h, int32_t* ids, float* weights,
                                    int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
                                    void* stream) {
-  const char* fn = "tm_router_topk";
-  TM_STATUS_TRY(check_f32_alignment(fn, "w_router", w_router));
-  TM_STATUS_TRY(check_f32_alignment(fn, "h", h));
-  TM_STATUS_TRY(check_f32_alignment(fn, "weights", weights));
-  Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
-  const cudaStream_t st = as_stream(stream);
-  if (hidden % 4 != 0)
-    return launch_router<false, false>(lim, st, w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k,
-                                       normalize);
-  if (aligned(w_router, 16) && aligned(h, 16))
-    return launch_router<true, true>(lim, st, w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k,
-                                     normalize);
-  return launch_router<true, false>(lim, st, w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k,
-                                    normalize);
+  // h is only read when x is null.
+  return router_entry("tm_router_topk", nullptr, nullptr, 0.0f, const_cast<float*>(h), w_router, ids, weights,
+                      n_tokens, n_experts, hidden, top_k, normalize, stream);
+}
+
+extern "C" int tm_cuda_rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,
+                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
+                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                                           void* stream) {
+  return router_entry("tm_rmsnorm_router_topk", x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                      hidden, top_k, normalize, stream);
 }

@@ -49,12 +49,13 @@ __global__ void __launch_bounds__(kArgThreads)
   __shared__ float s_val[kArgThreads / 32];
   __shared__ int s_id[kArgThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  pdl_begin();
   for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
     const float* row = logits + t * vocab;
     float bv = -INFINITY;
     int bi = INT_MAX;
     for (int64_t i = threadIdx.x; i < vocab; i += kArgThreads) {
-      const float v = __ldg(row + i);
+      const float v = row[i];
       if (arg_better(v, static_cast<int>(i), bv, bi)) {
         bv = v;
         bi = static_cast<int>(i);
@@ -162,6 +163,7 @@ __global__ void __cluster_dims__(kSmCluster, 1, 1) __launch_bounds__(kSmThreads)
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const SampleSmem s = sample_smem(sample_raw, cap);
+  pdl_begin();
   const int64_t per = (vocab + kSmCluster - 1) / kSmCluster;
   const int64_t lo = rank * per < vocab ? rank * per : vocab;
   const int64_t hi = lo + per < vocab ? lo + per : vocab;
@@ -169,7 +171,7 @@ __global__ void __cluster_dims__(kSmCluster, 1, 1) __launch_bounds__(kSmThreads)
   // ---- max of z = logit / T ----
   float mx = -INFINITY;
   for (int64_t i = lo + tid; i < hi; i += kSmThreads) {
-    const float z = __fdiv_rn(__ldg(logits + i), temperature);
+    const float z = __fdiv_rn(logits[i], temperature);
     if (!isnan(z)) mx = fmaxf(mx, z);
   }
   mx = block_max(mx, s.red);
@@ -184,7 +186,7 @@ __global__ void __cluster_dims__(kSmCluster, 1, 1) __launch_bounds__(kSmThreads)
     return;
   }
   auto e_of = [&](int64_t i) {
-    const float z = __fdiv_rn(__ldg(logits + i), temperature);
+    const float z = __fdiv_rn(logits[i], temperature);
     return isnan(z) ? 0.0f : (z == m ? 1.0f : expf(__fsub_rn(z, m)));
   };
 
@@ -414,7 +416,7 @@ __global__ void __cluster_dims__(kSmCluster, 1, 1) __launch_bounds__(kSmThreads)
     mass = cut.mass;
   }
   // ---- draw ----
-  const float u = tm_sample_uniform(seed, __ldg(step));
+  const float u = tm_sample_uniform(seed, step[0]);
   const WalkCtrl draw = walk(kWalkDraw, n_keep, __fmul_rn(u, mass), 0.0f);
   if (rank == 0 && tid == 0) out[0] = draw.chosen;
   cluster.sync();  // block 0's published state and buffers are read remotely until here
@@ -433,10 +435,8 @@ extern "C" int tm_cuda_argmax(const float* logits, int32_t* out, int64_t n_token
   int64_t blocks = n_tokens;
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 4;
   if (blocks > max_blocks) blocks = max_blocks;
-  const cudaStream_t s = as_stream(stream);
-  argmax_kernel<<<static_cast<unsigned>(blocks), kArgThreads, 0, s>>>(logits, out, n_tokens, vocab);
-  TM_LAUNCH_CHECK(s, fn);
-  return TM_OK;
+  return launch(lim, fn, argmax_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kArgThreads), 0, as_stream(stream),
+                logits, out, n_tokens, vocab);
 }
 
 extern "C" int tm_cuda_sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,
@@ -452,9 +452,6 @@ extern "C" int tm_cuda_sample(const float* logits, int32_t* out, int64_t vocab, 
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: needs %lld bytes of shared memory per block, above the limit %lld",
                         fn, static_cast<long long>(smem), static_cast<long long>(lim.smem_block));
   TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&sample_kernel), smem, fn));
-  const cudaStream_t s = as_stream(stream);
-  sample_kernel<<<kSmCluster, kSmThreads, static_cast<size_t>(smem), s>>>(logits, out, vocab, temperature, top_p,
-                                                                          top_k, seed, step, cap);
-  TM_LAUNCH_CHECK(s, fn);
-  return TM_OK;
+  return launch(lim, fn, sample_kernel, dim3(kSmCluster), dim3(kSmThreads), static_cast<size_t>(smem),
+                as_stream(stream), logits, out, vocab, temperature, top_p, top_k, seed, step, cap);
 }

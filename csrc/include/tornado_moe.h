@@ -113,6 +113,17 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
                              int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
                              void* stream);
 
+/* The attention input of a layer in one launch: h = rmsnorm(x, norm_w, eps) as tm_rmsnorm; q = W_q h + b_q,
+ * k = W_k h + b_k, v = W_v h + b_v as tm_matmul (W_q [n_heads * head_dim, hidden], W_k and W_v
+ * [n_kv_heads * head_dim, hidden], all of qtype; biases nullable); then RoPE and the KV append as tm_rope_kv_append:
+ * the rotated q into q [T, n_heads, head_dim], the rotated k and v into k_cache/v_cache at row pos[0] + t. Bitwise the
+ * result of those five calls in sequence on the same device; h, k and v are never stored. */
+TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
+                       const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
+                       float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
+                       int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
+                       int neox, void* stream);
+
 /* Causal attention over the cache (grouped-query: head h reads kv head h / (n_heads / n_kv_heads)).
  * out[t, h, :] = sum_j softmax_j(q[t,h,:] . k_cache[j,kvh,:] / sqrt(head_dim)) v_cache[j, kvh, :],
  * j = 0 .. pos[0] + t. q, out [T, n_heads, head_dim]. */
@@ -127,6 +138,12 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
 TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,
                           int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
                           void* stream);
+
+/* h = rmsnorm(x, norm_w, eps) written to h [T, hidden], then tm_router_topk on it, in one launch: bitwise the result
+ * of tm_rmsnorm followed by tm_router_topk on the same device. */
+TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float* norm_w, float eps, float* h,
+                                  const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
+                                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, void* stream);
 
 /* Routed experts, gate-up + SwiGLU, for the slots [slot_begin, slot_begin + slot_count) of every token:
  * e = ids[t, s]; act[t, s, :] = silu(W_gate[e] h[t]) * (W_up[e] h[t]), silu(g) = g / (1 + exp(-g)).

@@ -26,6 +26,11 @@ int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, c
                            int64_t, int64_t, int64_t, float, int, void*) {
   return no_cuda("tm_rope_kv_append");
 }
+int tm_cuda_qkv_rope(int, const float*, const float*, float, const void*, const void*, const void*, const float*,
+                     const float*, const float*, float*, float*, float*, const int32_t*, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t, float, int, void*) {
+  return no_cuda("tm_qkv_rope");
+}
 int tm_cuda_attention(const float*, const float*, const float*, float*, const int32_t*, int64_t, int64_t, int64_t,
                       int64_t, int64_t, void*) {
   return no_cuda("tm_attention");
@@ -33,6 +38,10 @@ int tm_cuda_attention(const float*, const float*, const float*, float*, const in
 int tm_cuda_router_topk(const float*, const float*, int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int,
                         void*) {
   return no_cuda("tm_router_topk");
+}
+int tm_cuda_rmsnorm_router_topk(const float*, const float*, float, float*, const float*, int32_t*, float*, int64_t,
+                                int64_t, int64_t, int64_t, int, void*) {
+  return no_cuda("tm_rmsnorm_router_topk");
 }
 int tm_cuda_moe_gate_up(int, const void*, const void*, const float*, const int32_t*, float*, int64_t, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, void*) {

@@ -165,6 +165,31 @@ void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                             max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
 }
 
+void qkv_rope(int64_t qtype, const Tensor& x, const Tensor& norm_w, double eps, const Tensor& w_q, const Tensor& w_k,
+              const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
+              const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos, int64_t n_tokens, int64_t hidden,
+              int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, double freq_base, bool neox,
+              int64_t stream) {
+  Args a("tornado_moe.qkv_rope");
+  const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
+  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
+  const void* wq_p = a.weights(w_q, "w_q", qtype, q_rows * row_bytes(qtype, hidden));
+  const void* wk_p = a.weights(w_k, "w_k", qtype, kv_rows * row_bytes(qtype, hidden));
+  const void* wv_p = a.weights(w_v, "w_v", qtype, kv_rows * row_bytes(qtype, hidden));
+  const float* bq_p = a.optional<const float>(b_q, "b_q", kF32, q_rows);
+  const float* bk_p = a.optional<const float>(b_k, "b_k", kF32, kv_rows);
+  const float* bv_p = a.optional<const float>(b_v, "b_v", kF32, kv_rows);
+  float* q_p = a.data<float>(q, "q", kF32, n_tokens * q_rows);
+  float* kc_p = a.data<float>(k_cache, "k_cache", kF32, max_ctx * kv_rows);
+  float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
+  const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p, bq_p,
+                      bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx,
+                      static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
+}
+
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
                int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
                int64_t stream) {
@@ -189,6 +214,21 @@ void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, con
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_topk(a.device(), w_p, h_p, ids_p, wt_p, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
                          as_stream(stream)));
+}
+
+void rmsnorm_router_topk(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
+                         const Tensor& ids, const Tensor& weights, int64_t n_tokens, int64_t n_experts, int64_t hidden,
+                         int64_t top_k, bool normalize, int64_t stream) {
+  Args a("tornado_moe.rmsnorm_router_topk");
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
+  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
+  float* h_p = a.data<float>(h, "h", kF32, n_tokens * hidden);
+  const float* w_p = a.data<const float>(w_router, "w_router", kF32, n_experts * hidden);
+  int32_t* ids_p = a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  float* wt_p = a.data<float>(weights, "weights", kF32, n_tokens * top_k);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_rmsnorm_router_topk(a.device(), x_p, nw_p, static_cast<float>(eps), h_p, w_p, ids_p, wt_p, n_tokens,
+                                 n_experts, hidden, top_k, normalize ? 1 : 0, as_stream(stream)));
 }
 
 void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const OptTensor& ids,
@@ -285,10 +325,16 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
+  m.def("qkv_rope(int qtype, Tensor x, Tensor norm_w, float eps, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, "
+        "Tensor? b_k, Tensor? b_v, Tensor(a!) q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, int n_tokens, "
+        "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
+        "int stream) -> ()");
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
         "int n_heads, int n_kv_heads, int head_dim, int max_ctx, int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
         "int hidden, int top_k, bool normalize, int stream) -> ()");
+  m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
+        "Tensor(c!) weights, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("moe_gate_up(int qtype, Tensor w_gate, Tensor w_up, Tensor h, Tensor? ids, Tensor(a!) act, int n_tokens, "
         "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
@@ -314,8 +360,10 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("rmsnorm", &rmsnorm);                             \
   m.impl("matmul", &matmul);                               \
   m.impl("rope_kv_append", &rope_kv_append);               \
+  m.impl("qkv_rope", &qkv_rope);                           \
   m.impl("attention", &attention);                         \
   m.impl("router_topk", &router_topk);                     \
+  m.impl("rmsnorm_router_topk", &rmsnorm_router_topk);     \
   m.impl("moe_gate_up", &moe_gate_up);                     \
   m.impl("moe_down_accumulate", &moe_down_accumulate);     \
   m.impl("argmax", &argmax);                               \

@@ -1,11 +1,20 @@
 """Builds one task graph per transformer layer, plus the embedding and logits graphs.
 
-The routed experts come in two shapes that must give bitwise identical hidden states:
-- fused (default): ``routed_experts_gate_up_swiglu`` (all slots in one launch) and
-  ``routed_experts_down_accumulate`` (slots looped in order inside one launch);
-- per-slot: ``routed_expert_gate_up_<s>`` and ``routed_expert_down_<s>`` for every slot s.
+A layer is as few launches as the contract allows (qwen2moe, fused: 8):
+- ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
+  the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
+- ``attention``, ``attn_output`` (+ residual);
+- ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel (``ffn_norm`` stays a task
+  of its own only for dense models);
+- the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
+  give bitwise identical hidden states:
+  - fused (default): ``routed_experts_gate_up_swiglu`` (all slots in one launch) and
+    ``routed_experts_down_accumulate`` (slots looped in order inside one launch);
+  - per-slot: ``routed_expert_gate_up_<s>`` and ``routed_expert_down_<s>`` for every slot s.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
-(the shared expert, or the dense FFN, first; then the routed slots in slot order).
+(the shared expert, or the dense FFN, first; then the routed slots in slot order). Gate-up tasks come before
+the down tasks so that every kernel whose weights are known before its inputs (the shared expert's) can
+start streaming them while its predecessor still runs (programmatic dependent launch, csrc/cuda/common.cuh).
 """
 
 from __future__ import annotations
@@ -77,54 +86,59 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     cfg, L, T = dm.config, dm.layers[i], n_tokens
     H, hd = cfg.hidden, cfg.head_dim
     g = TaskGraph(f"layer{i}")
-    g.task("attn_norm", "rmsnorm", act.x, _f32(L, "attn_norm"), act.h, T, H, cfg.rms_eps)
-    for name, out, rows in (("q", act.q, cfg.n_heads * hd), ("k", act.k, cfg.n_kv_heads * hd),
-                            ("v", act.v, cfg.n_kv_heads * hd)):
-        w = _w(L, f"attn_{name}")
-        bias = _f32(L, f"attn_{name}_bias")
-        g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, bias, out, T, rows, H, False)
-    g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
-           act.position, T, cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
+    wq, wk, wv = _w(L, "attn_q"), _w(L, "attn_k"), _w(L, "attn_v")
+    heads = (cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
+    if wq.qtype == wk.qtype == wv.qtype:
+        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, _f32(L, "attn_norm"), cfg.rms_eps, wq.data, wk.data,
+               wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"), act.q,
+               act.k_cache[i], act.v_cache[i], act.position, T, H, *heads)
+    else:
+        g.task("attn_norm", "rmsnorm", act.x, _f32(L, "attn_norm"), act.h, T, H, cfg.rms_eps)
+        for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
+                                   ("v", wv, act.v, cfg.n_kv_heads * hd)):
+            g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
+                   rows, H, False)
+        g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
+               act.position, T, *heads)
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context)
     wo = _w(L, "attn_output")
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
-    g.task("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps)
-
-    # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels.
-    if cfg.shared_ffn or cfg.dense_ffn:
-        sfx = "_shexp" if cfg.shared_ffn else ""
-        ffn = cfg.shared_ffn or cfg.dense_ffn
-        wg, wu, wd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
-        label = "shared_expert" if cfg.shared_ffn else "ffn"
-        g.task(f"{label}_gate_up", "moe_gate_up", _same_format(wg, wu), wg.data, wu.data, act.h, None,
-               act.act_dense, T, 1, 0, 1, 1, ffn, H)
-        g.task(f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
-               _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, ffn)
 
     if cfg.n_experts:
         E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
-        router = _f32(L, "ffn_gate_inp")
-        g.task("router_topk", "router_topk", router, act.h, act.expert_ids, act.expert_weights,
-               T, E, H, k, cfg.normalize_topk)
+        g.task("router_topk", "rmsnorm_router_topk", act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h,
+               _f32(L, "ffn_gate_inp"), act.expert_ids, act.expert_weights, T, E, H, k, cfg.normalize_topk)
+    else:
+        g.task("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps)
+
+    # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels. Every
+    # gate-up task comes first, then the shared/dense down, then the routed downs (slot order), either shape.
+    downs: list[tuple] = []
+    if cfg.shared_ffn or cfg.dense_ffn:
+        sfx = "_shexp" if cfg.shared_ffn else ""
+        dffn = cfg.shared_ffn or cfg.dense_ffn
+        wg, wu, wd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
+        label = "shared_expert" if cfg.shared_ffn else "ffn"
+        g.task(f"{label}_gate_up", "moe_gate_up", _same_format(wg, wu), wg.data, wu.data, act.h, None,
+               act.act_dense, T, 1, 0, 1, 1, dffn, H)
+        downs.append((f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
+                      _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, dffn))
+
+    if cfg.n_experts:
         wg, wu, wd = _w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"), _w(L, "ffn_down_exps")
         qt = _same_format(wg, wu)
-
-        def gate_up(name: str, s0: int, n: int) -> None:
-            g.task(name, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k, s0, n,
+        # (gate-up task, down task, first slot, slot count): one launch each over all slots, or one per slot
+        shapes = ([("routed_experts_gate_up_swiglu", "routed_experts_down_accumulate", 0, k)] if fuse_experts
+                  else [(f"routed_expert_gate_up_{s}", f"routed_expert_down_{s}", s, 1) for s in range(k)])
+        for gate_up, _, s0, n in shapes:
+            g.task(gate_up, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k, s0, n,
                    E, ffn, H)
-
-        def down(name: str, s0: int, n: int) -> None:
-            g.task(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, act.expert_ids,
+        downs += [(down, "moe_down_accumulate", wd.qtype, wd.data, act.act, act.expert_ids,
                    act.expert_weights, None, None, act.x, T, k, s0, n, E, H, ffn)
-
-        if fuse_experts:
-            gate_up("routed_experts_gate_up_swiglu", 0, k)
-            down("routed_experts_down_accumulate", 0, k)
-        else:
-            for s in range(k):
-                gate_up(f"routed_expert_gate_up_{s}", s, 1)
-                down(f"routed_expert_down_{s}", s, 1)
+                  for _, down, s0, n in shapes]
+    for task in downs:
+        g.task(*task)
     return g.snapshot()
 
 

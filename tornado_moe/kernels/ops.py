@@ -31,7 +31,9 @@ __all__ = [
     "moe_down_accumulate",
     "moe_gate_up",
     "native_version",
+    "qkv_rope",
     "rmsnorm",
+    "rmsnorm_router_topk",
     "rope_kv_append",
     "router_topk",
     "sample",
@@ -49,10 +51,15 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
+    "qkv_rope": ("qtype", "x", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q", "k_cache",
+                 "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim", "max_ctx",
+                 "freq_base", "neox"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
                   "max_ctx"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
+    "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
+                            "hidden", "top_k", "normalize"),
     "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
                     "slot_count", "n_experts", "ffn", "hidden"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
@@ -143,6 +150,35 @@ def rope_kv_append(
     )
 
 
+def qkv_rope(
+    qtype: int,
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w_q: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    b_q: torch.Tensor | None,
+    b_k: torch.Tensor | None,
+    b_v: torch.Tensor | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    n_tokens: int,
+    hidden: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    max_ctx: int,
+    freq_base: float,
+    neox: bool,
+) -> None:
+    """rmsnorm + the q, k, v products + RoPE and KV append in one launch (bitwise those five kernels)."""
+    _ops().qkv_rope(qtype, x, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos, n_tokens,
+                    hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, stream_of(q))
+
+
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -174,6 +210,25 @@ def router_topk(
     _ops().router_topk(
         w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k, normalize, stream_of(ids)
     )
+
+
+def rmsnorm_router_topk(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    h: torch.Tensor,
+    w_router: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    n_tokens: int,
+    n_experts: int,
+    hidden: int,
+    top_k: int,
+    normalize: bool,
+) -> None:
+    """h = rmsnorm(x) and the router's top-k in one launch (bitwise rmsnorm followed by router_topk)."""
+    _ops().rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
+                               normalize, stream_of(ids))
 
 
 def moe_gate_up(

@@ -65,12 +65,20 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         q = F32 * T * a["n_heads"] * a["head_dim"]
         kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
         return TaskBytes(0, 2 * q + 2 * kv + 2 * kv + I32)  # q in place; k, v read; k, v cache rows written
+    if k == "qkv_rope":
+        q = F32 * T * a["n_heads"] * a["head_dim"]
+        kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
+        w = sum(_nbytes(a[n]) for n in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "norm_w"))
+        return TaskBytes(w, F32 * T * a["hidden"] + q + 2 * kv + I32)  # x read; q, k and v cache rows written
     if k == "attention":
         q = F32 * T * a["n_heads"] * a["head_dim"]
         cache = 2 * F32 * T * (context + (T - 1) / 2) * a["n_kv_heads"] * a["head_dim"]
         return TaskBytes(0, 2 * q + cache + I32)
     if k == "router_topk":
         return TaskBytes(_nbytes(a["w_router"]), F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"])
+    if k == "rmsnorm_router_topk":
+        io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]  # x read, h written, picks written
+        return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]), io)
     if k in ("moe_gate_up", "moe_down_accumulate"):
         slots, E = a["slot_count"], a["n_experts"]
         share = 1.0 if a["ids"] is None else min(T * slots, E) / E

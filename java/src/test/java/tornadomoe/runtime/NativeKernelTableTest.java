@@ -32,8 +32,11 @@ public class NativeKernelTableTest {
         m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
         m.put("matmul", "qppnpiiib");           // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate
         m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
+        m.put("qkv_rope", "qppfpppnnnppppiiiiiifb"); // qtype x norm_w eps, w_q w_k w_v, b_q? b_k? b_v?, q k_cache
+                                                     // v_cache pos, T hidden heads kv hd ctx, base, neox
         m.put("attention", "pppppiiiii");       // q k_cache v_cache out pos, T heads kv hd ctx
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
+        m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
         m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
         m.put("argmax", "ppii");                // logits out n_tokens vocab

@@ -1,0 +1,185 @@
+"""The fused kernels are bitwise the unfused sequences they replace, and the streaming dot product keeps its
+promises on the shapes the small kernel tests do not reach.
+
+- ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
+- ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
+- rows longer than one 2048-value chunk, odd block counts and rows that are only 2-byte aligned: against the
+  float64 reference, and the same bits whatever the alignment of the weights in memory.
+"""
+
+from __future__ import annotations
+
+import kernel_reference as ref
+import numpy as np
+import pytest
+import torch
+from conftest import device_params
+
+from tornado_moe import kernels as K
+
+DEVICES = device_params()
+QTYPE_PARAMS = [pytest.param(q, id=name) for name, q in ref.QTYPES.items()]
+TOL_LONG = 2e-5  # float32 dot products of ~4000 terms against float64
+NAN = float("nan")
+
+
+def randn(rng: np.random.Generator, shape: tuple[int, ...], device: str, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).to(device)
+
+
+def poisoned(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.full(shape, NAN, dtype=torch.float32, device=device)
+
+
+def shifted(raw: torch.Tensor, offset: int, device: str) -> torch.Tensor:
+    """The same bytes at `offset` bytes past a fresh allocation's (aligned) start."""
+    buf = torch.zeros(raw.numel() + 64, dtype=torch.uint8, device=device)
+    view = buf[offset : offset + raw.numel()]
+    view.copy_(raw.reshape(-1).to(device))
+    assert view.data_ptr() % 16 == offset % 16
+    return view
+
+
+# ---- fused attention input ------------------------------------------------------------------------
+
+QKV_SHAPES = [  # n_tokens, hidden, n_heads, n_kv_heads, head_dim, pos0
+    (1, 128, 4, 4, 32, 0),
+    (3, 96, 4, 2, 16, 5),  # GQA, three blocks per row (a partial pair), prefill at an offset
+    (1, 2112, 2, 1, 64, 9),  # two chunks per row
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", QTYPE_PARAMS)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
+@pytest.mark.parametrize("shape", QKV_SHAPES)
+def test_qkv_rope_is_the_unfused_sequence_bitwise(device: str, qtype: int, neox: bool, shape: tuple) -> None:
+    n_tokens, hidden, n_heads, n_kv, hd, pos0 = shape
+    max_ctx, eps, base = pos0 + n_tokens + 2, 1e-6, 10000.0
+    rng = np.random.default_rng(11)
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 2.0), randn(rng, (hidden,), device)
+    wq, _ = ref.make_weights(rng, (n_heads * hd, hidden), qtype, 0.2)
+    wk, _ = ref.make_weights(rng, (n_kv * hd, hidden), qtype, 0.2)
+    wv, _ = ref.make_weights(rng, (n_kv * hd, hidden), qtype, 0.2)
+    wq, wk, wv = wq.to(device), wk.to(device), wv.to(device)
+    bq, bk, bv = (randn(rng, (n * hd,), device) for n in (n_heads, n_kv, n_kv))
+    pos = torch.tensor([pos0], dtype=torch.int32, device=device)
+
+    # unfused: h = rmsnorm(x); q, k, v = W h + b; rope + append
+    h = poisoned((n_tokens, hidden), device)
+    K.rmsnorm(x, norm_w, h, n_tokens, hidden, eps)
+    q_ref = poisoned((n_tokens, n_heads * hd), device)
+    k, v = poisoned((n_tokens, n_kv * hd), device), poisoned((n_tokens, n_kv * hd), device)
+    for w, b, out, rows in ((wq, bq, q_ref, n_heads * hd), (wk, bk, k, n_kv * hd), (wv, bv, v, n_kv * hd)):
+        K.matmul(qtype, w, h, b, out, n_tokens, rows, hidden)
+    kc_ref, vc_ref = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
+    K.rope_kv_append(q_ref, k, v, kc_ref, vc_ref, pos, n_tokens, n_heads, n_kv, hd, max_ctx, base, neox)
+
+    q = poisoned((n_tokens, n_heads * hd), device)
+    kc, vc = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
+    K.qkv_rope(qtype, x, norm_w, eps, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens, hidden, n_heads, n_kv,
+               hd, max_ctx, base, neox)
+    rows = slice(pos0, pos0 + n_tokens)
+    assert not torch.isnan(q).any() and not torch.isnan(kc[rows]).any() and not torch.isnan(vc[rows]).any()
+    assert torch.equal(q, q_ref)
+    assert torch.equal(kc[rows], kc_ref[rows]) and torch.equal(vc[rows], vc_ref[rows])
+    # no other cache row is touched
+    assert torch.isnan(kc[:pos0]).all() and torch.isnan(vc[pos0 + n_tokens :]).all()
+
+
+def test_qkv_rope_without_bias_matches_float64() -> None:
+    """A guard that does not lean on the unfused kernels: q against rmsnorm, W h and RoPE in float64."""
+    rng = np.random.default_rng(12)
+    n_tokens, hidden, n_heads, hd, pos0, eps, base = 2, 64, 2, 16, 3, 1e-6, 100.0
+    x, norm_w = randn(rng, (n_tokens, hidden), "cpu"), randn(rng, (hidden,), "cpu")
+    raw, w64 = ref.make_weights(rng, (n_heads * hd, hidden), ref.QTYPES["Q8_0"])
+    q = poisoned((n_tokens, n_heads * hd), "cpu")
+    kc, vc = torch.zeros(pos0 + n_tokens, n_heads * hd), torch.zeros(pos0 + n_tokens, n_heads * hd)
+    pos = torch.tensor([pos0], dtype=torch.int32)
+    K.qkv_rope(8, x, norm_w, eps, raw, raw, raw, None, None, None, q, kc, vc, pos, n_tokens, hidden, n_heads,
+               n_heads, hd, pos0 + n_tokens, base, True)
+    h = ref.rmsnorm(x.double(), norm_w.double(), eps)
+    positions = torch.arange(pos0, pos0 + n_tokens)
+    expected = ref.rope((h @ w64.T).view(n_tokens, n_heads, hd), positions, base, True)
+    assert ref.rel_err(q.view(n_tokens, n_heads, hd), expected) < 1e-5
+    assert torch.equal(kc[pos0:], q)  # same weights for k: the same rotated rows
+
+
+# ---- fused router ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("n_tokens,n_experts,hidden,top_k", [(1, 60, 2048, 4), (4, 17, 33, 3)])
+def test_rmsnorm_router_topk_is_rmsnorm_then_router_bitwise(
+    device: str, normalize: bool, n_tokens: int, n_experts: int, hidden: int, top_k: int
+) -> None:
+    rng = np.random.default_rng(13)
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    w_router = randn(rng, (n_experts, hidden), device, 0.05)
+    h_ref = poisoned((n_tokens, hidden), device)
+    ids_ref = torch.full((n_tokens, top_k), -1, dtype=torch.int32, device=device)
+    wt_ref = poisoned((n_tokens, top_k), device)
+    K.rmsnorm(x, norm_w, h_ref, n_tokens, hidden, 1e-6)
+    K.router_topk(w_router, h_ref, ids_ref, wt_ref, n_tokens, n_experts, hidden, top_k, normalize)
+
+    h = poisoned((n_tokens, hidden), device)
+    ids = torch.full((n_tokens, top_k), -1, dtype=torch.int32, device=device)
+    wt = poisoned((n_tokens, top_k), device)
+    K.rmsnorm_router_topk(x, norm_w, 1e-6, h, w_router, ids, wt, n_tokens, n_experts, hidden, top_k,
+                          normalize)
+    assert torch.equal(h, h_ref) and torch.equal(ids, ids_ref) and torch.equal(wt, wt_ref)
+    assert (ids >= 0).all() and not torch.isnan(wt).any()
+
+
+# ---- long, odd and misaligned rows ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", QTYPE_PARAMS)
+@pytest.mark.parametrize("cols", [4160, 96], ids=["three-chunks", "odd-blocks"])
+def test_matmul_long_rows_and_any_alignment(device: str, qtype: int, cols: int) -> None:
+    rng = np.random.default_rng(14)
+    rows, n_tokens = 37, 2
+    raw, w64 = ref.make_weights(rng, (rows, cols), qtype)
+    x = randn(rng, (n_tokens, cols), device)
+    y = poisoned((n_tokens, rows), device)
+    K.matmul(qtype, raw.to(device), x, None, y, n_tokens, rows, cols)
+    assert not torch.isnan(y).any()
+    assert ref.rel_err(y, x.cpu().double() @ w64.T) < TOL_LONG
+    # the same bytes 2 (4 for F32) and 6 bytes off a 16-byte boundary: the same bits
+    for offset in ((4, 12) if qtype == ref.QTYPES["F32"] else (2, 6)):
+        y_off = poisoned((n_tokens, rows), device)
+        K.matmul(qtype, shifted(raw, offset, device), x, None, y_off, n_tokens, rows, cols)
+        assert torch.equal(y_off, y), f"offset {offset}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [pytest.param(8, id="Q8_0"), pytest.param(3, id="Q4_1")])
+def test_moe_with_multi_chunk_rows(device: str, qtype: int) -> None:
+    """Rows of 2 chunks (expert FFN for down, hidden for gate-up): fused == per slot, and vs float64."""
+    rng = np.random.default_rng(15)
+    n_tokens, top_k, n_experts, ffn, hidden = 2, 2, 3, 2112, 2080
+    wg_raw, wg = ref.make_weights(rng, (n_experts, 8, hidden), qtype, 0.1)
+    wu_raw, wu = ref.make_weights(rng, (n_experts, 8, hidden), qtype, 0.1)
+    wd_raw, wd = ref.make_weights(rng, (n_experts, 24, ffn), qtype, 0.1)
+    h = randn(rng, (n_tokens, hidden), device)
+    ids = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32, device=device)
+    weights = torch.rand(n_tokens, top_k, generator=torch.Generator().manual_seed(1)).to(device)
+    act = poisoned((n_tokens, top_k, 8), device)
+    K.moe_gate_up(qtype, wg_raw.to(device), wu_raw.to(device), h, ids, act, n_tokens, top_k, 0, top_k,
+                  n_experts, 8, hidden)
+    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k)) < TOL_LONG
+    # down over rows of 2112 values (the activations are made up: only the down product is under test here)
+    act_d = randn(rng, (n_tokens, top_k, ffn), device)
+    x0 = randn(rng, (n_tokens, 24), device)
+    fused = x0.clone()
+    K.moe_down_accumulate(qtype, wd_raw.to(device), act_d, ids, weights, None, None, fused, n_tokens, top_k,
+                          0, top_k, n_experts, 24, ffn)
+    expected = ref.moe_down_accumulate(wd, act_d, ids, weights, None, None, x0, range(top_k))
+    assert ref.rel_err(fused, expected) < TOL_LONG
+    per_slot = x0.clone()
+    for s in range(top_k):
+        K.moe_down_accumulate(qtype, wd_raw.to(device), act_d, ids, weights, None, None, per_slot, n_tokens,
+                              top_k, s, 1, n_experts, 24, ffn)
+    assert torch.equal(per_slot, fused)
