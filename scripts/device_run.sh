@@ -8,13 +8,15 @@
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
+OUT_TOP=${OUT:-/tmp/out}; OUT=$OUT_TOP/r; mkdir -p "$OUT"
+trap 'tar czf "$OUT_TOP/results.tgz" -C "$OUT_TOP" r && rm -rf "$OUT"' EXIT
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,bench,baseline,determinism,profile,pdl}
+STAGES=${STAGES:-build,tests,kernels,bench,baseline,determinism,profile,pdl}
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -49,6 +51,26 @@ if want tests; then
   echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
 fi
 wait $SYNTH 2>/dev/null; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
+
+if want kernels; then
+  stamp "kernel microbenchmarks (this tree with and without PDL, baseline)"
+  timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
+  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new-no-pdl \
+    --json "$OUT/kernels_no_pdl.json" | tee "$OUT/kernels_no_pdl.log"
+  if [ -d .baseline/tornado_moe/_native ]; then
+    PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \
+      $PY scripts/kernel_bench.py --label baseline --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
+  fi
+fi
+if want ncu; then
+  stamp "ncu (streaming kernels, PDL off)"
+  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:stream_kernel -c ${NCU_COUNT:-15} \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats $PY scripts/kernel_bench.py --reps 1 --trials 1 \
+    --only ${NCU_ONLY:-attn_qkv,attn_output,shared_expert_gate_up,routed_experts_down,output} > "$OUT/ncu.txt" 2>&1
+  grep -E "stream_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles" \
+    "$OUT/ncu.txt" | head -60
+fi
 
 BENCH_ARGS=(--model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5)
 if want bench; then

@@ -23,7 +23,10 @@ struct MatmulJob {
   };
   struct State {};
   __device__ int64_t items() const { return n_tokens * rows; }
-  __device__ Item decode(int64_t item) const { return Item{item / rows, item % rows}; }
+  __device__ Item decode(int64_t item) const {
+    const DivMod d = divmod(item, rows);
+    return Item{d.q, d.r};
+  }
   __device__ int segments() const { return 1; }
   __device__ int64_t seg_cols(int) const { return cols; }
   __device__ bool is_static(const Item&) const { return true; }

@@ -41,22 +41,28 @@ struct GateUpJob {
   int64_t n_tokens, top_k, slot_begin, slot_count, n_experts, ffn, hidden, row_bytes;
 
   struct Item {
+    const uint8_t* gate;  // the item's gate row; its up row is at the same offset of w_up
     int64_t t, slot, r;
+    bool bad;
   };
   struct State {};
   __device__ int64_t items() const { return n_tokens * slot_count * ffn; }
   __device__ Item decode(int64_t item) const {
-    const int64_t pair = item / ffn;
-    const int64_t t = pair / slot_count;
-    return Item{t, t * top_k + slot_begin + pair % slot_count, item % ffn};
+    const DivMod pr = divmod(item, ffn);
+    const DivMod ts = divmod(pr.q, slot_count);
+    Item it;
+    it.t = ts.q;
+    it.slot = ts.q * top_k + slot_begin + ts.r;
+    it.r = pr.r;
+    const int64_t e = slot_expert(ids, it.slot, n_experts, &it.bad);
+    it.gate = w_gate + (e * ffn + it.r) * row_bytes;
+    return it;
   }
   __device__ int segments() const { return 1; }
   __device__ int64_t seg_cols(int) const { return hidden; }
   __device__ bool is_static(const Item&) const { return ids == nullptr; }
   __device__ const uint8_t* row(const Item& it, int, int r) const {
-    bool bad;
-    const int64_t e = slot_expert(ids, it.slot, n_experts, &bad);
-    return (r == 0 ? w_gate : w_up) + (e * ffn + it.r) * row_bytes;
+    return r == 0 ? it.gate : w_up + (it.gate - w_gate);
   }
   __device__ const float* xrow(const Item& it, int) const { return h + it.t * hidden; }
   template <Fmt F>
@@ -66,10 +72,7 @@ struct GateUpJob {
   }
   __device__ State begin(const Item&) const { return {}; }
   __device__ void segment(const Item& it, int, const float (&gu)[2], State&) const {
-    if ((threadIdx.x & 31) != 0) return;
-    bool bad;
-    slot_expert(ids, it.slot, n_experts, &bad);
-    act[it.slot * ffn + it.r] = bad ? kNaN : __fmul_rn(silu_f32(gu[0]), gu[1]);
+    if ((threadIdx.x & 31) == 0) act[it.slot * ffn + it.r] = it.bad ? kNaN : __fmul_rn(silu_f32(gu[0]), gu[1]);
   }
   __device__ void finish(const Item&, State&) const {}
 };
@@ -93,7 +96,10 @@ struct DownJob {
   };
   __device__ int64_t slot(const Item& it, int seg) const { return it.t * top_k + slot_begin + seg; }
   __device__ int64_t items() const { return n_tokens * groups; }
-  __device__ Item decode(int64_t item) const { return Item{item / groups, (item % groups) * kDownRows}; }
+  __device__ Item decode(int64_t item) const {
+    const DivMod d = divmod(item, groups);
+    return Item{d.q, d.r * kDownRows};
+  }
   __device__ int segments() const { return static_cast<int>(slot_count); }
   __device__ int64_t seg_cols(int) const { return ffn; }
   __device__ bool is_static(const Item&) const { return ids == nullptr; }

@@ -30,6 +30,7 @@ __device__ __forceinline__ float rms_apply(float x, float inv, float w) { return
 __device__ __forceinline__ float block_rms_inv(const float* x, int64_t dim, float eps, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float ss = 0.0f;
+#pragma unroll 8
   for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
     const float v = x[i];
     ss = __fmaf_rn(v, v, ss);
@@ -48,19 +49,30 @@ __device__ __forceinline__ float block_rms_inv(const float* x, int64_t dim, floa
   return inv;
 }
 
-// The same value computed by one warp (every lane returns it): lane l plays threads l, l + 32, ..., l + 224.
+// The same value computed by one warp (every lane returns it): lane l plays threads l, l + 32, ..., l + 224. The
+// row is read in rounds of 2048 values (64 independent loads per lane in flight), each value added to the sum of
+// its thread in increasing index, as in the block version.
 __device__ __forceinline__ float warp_rms_inv(const float* x, int64_t dim, float eps) {
   const int lane = threadIdx.x & 31;
+  float ss[kNormWarps];
+#pragma unroll
+  for (int w = 0; w < kNormWarps; ++w) ss[w] = 0.0f;
+  for (int64_t base = 0; base < dim; base += 64 * 32) {
+    float v[64];
+#pragma unroll
+    for (int m = 0; m < 64; ++m) {
+      const int64_t i = base + 32 * m + lane;
+      v[m] = i < dim ? x[i] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < 64; ++m)  // value i belongs to thread i % 256, i.e. warp (i / 32) % 8
+      if (base + 32 * m + lane < dim) ss[m % kNormWarps] = __fmaf_rn(v[m], v[m], ss[m % kNormWarps]);
+  }
   float total = 0.0f;  // lane w < kNormWarps ends with warp w's sum, the other lanes with +0
 #pragma unroll
   for (int w = 0; w < kNormWarps; ++w) {
-    float ss = 0.0f;
-    for (int64_t i = 32 * w + lane; i < dim; i += kNormThreads) {
-      const float v = x[i];
-      ss = __fmaf_rn(v, v, ss);
-    }
-    ss = warp_sum(ss);
-    if (lane == w) total = ss;
+    const float t = warp_sum(ss[w]);
+    if (lane == w) total = t;
   }
   return rms_inv_from_sum(warp_sum(total), dim, eps);
 }

@@ -46,8 +46,9 @@ struct QkvJob {
   __device__ int64_t items() const { return n_tokens * per_token(); }
   __device__ Item decode(int64_t item) const {
     Item p;
-    p.t = item / per_token();
-    int64_t rest = item % per_token();
+    const DivMod tr = divmod(item, per_token());
+    p.t = tr.q;
+    int64_t rest = tr.r;
     p.which = 0;
     if (rest >= n_heads * half()) {
       rest -= n_heads * half();
@@ -57,8 +58,9 @@ struct QkvJob {
         p.which = 2;
       }
     }
-    p.head = rest / half();
-    p.i = rest % half();
+    const DivMod hi = divmod(rest, half());
+    p.head = hi.q;
+    p.i = hi.r;
     const uint8_t* base = w[p.which] + p.head * head_dim * row_bytes;
     p.row_a = base + dim_a(p.i) * row_bytes;
     p.row_b = base + dim_b(p.i) * row_bytes;

@@ -45,6 +45,22 @@ constexpr int kMaxStages = 6;
 constexpr int kStreamWarps = 4;  // warps per block (fewer only when a shared-memory cap forces it)
 constexpr int kStreamBlocksPerSm = 3;  // 168 registers a thread: no spills in any job
 
+// ---- index arithmetic -----------------------------------------------------------------------------------------
+
+// a / b and a % b for a >= 0, b > 0, through a 32-bit division when both fit: a 64-bit division is a subroutine of
+// ~70 instructions on the GPU, and items are decoded on the streaming path.
+struct DivMod {
+  int64_t q, r;
+};
+__device__ __forceinline__ DivMod divmod(int64_t a, int64_t b) {
+  if (((a | b) >> 31) == 0) {
+    const uint32_t q = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+    return DivMod{q, a - static_cast<int64_t>(q) * b};
+  }
+  const int64_t q = a / b;
+  return DivMod{q, a - q * b};
+}
+
 // ---- byte to float --------------------------------------------------------------------------------------------
 
 // 2^23 + byte i of `word` as a float (exact): a byte-to-float conversion at full ALU rate (no I2F).

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Per-kernel decode timings at the real Qwen1.5-MoE-A2.7B shapes (Q8_0, one token) via tornado_moe.kernels.
+
+Every kernel is launched `reps` times inside one CUDA graph (as a decode step launches it) and the graph is
+replayed; a launch's time is the replay time / reps (median of `--trials` replays). Weights rotate over enough
+copies (or, for routed experts, over different experts) that no launch finds its weights in the 60 MB L2, as
+in decode. Works with any tree of the package on PYTHONPATH (the baseline commit too): kernels a tree lacks
+are skipped. Prints a table; --json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl, kernels}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from tornado_moe import kernels as K
+from tornado_moe.tools.run_info import run_info  # noqa: E402  (after the kernels: same tree)
+
+Q8_0 = 8
+H, HEADS, HD, E, TOPK, FFN, SFFN, VOCAB, CTX, POS = 2048, 16, 128, 60, 4, 1408, 5632, 151936, 4096, 143
+POOL_BYTES = 160 << 20  # weight copies per kernel: at least this many bytes, well past L2
+
+
+def q8_0(rows: int, cols: int, copies: int = 1) -> torch.Tensor:
+    """Random Q8_0 rows as stored in GGUF (fp16 scale + 32 int8 per block), `copies` matrices back to back."""
+    nb = cols // 32
+    blocks = torch.empty(copies * rows, nb, 34, dtype=torch.uint8, device="cuda")
+    scale = (torch.rand(copies * rows, nb, device="cuda") * 0.002 + 0.001).half()
+    blocks[..., :2] = scale.view(torch.uint8).view(copies * rows, nb, 2)
+    blocks[..., 2:] = torch.randint(-128, 128, (copies * rows, nb, 32), dtype=torch.int8, device="cuda").view(
+        torch.uint8)
+    return blocks.view(copies, rows * nb * 34)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(POOL_BYTES / nbytes)))
+
+
+def graph_time_us(launch: Callable[[int], None], reps: int, trials: int) -> float:
+    """Median time of one launch: `reps` launches (launch(i) uses rotation slot i) captured in one graph."""
+    for i in range(3):
+        launch(i)  # warm-up outside capture (module load, smem opt-in)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            launch(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def copy_gb_s() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda i: dst.copy_(src), 10, 5)
+    return 2 * src.numel() / (us * 1e3)
+
+
+def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
+    """(name, weight bytes per launch, builder of launch(i))."""
+    f32 = dict(dtype=torch.float32, device="cuda")
+    x = torch.randn(1, H, **f32)
+    h = torch.randn(1, H, **f32)
+    norm_w = 1 + 0.1 * torch.randn(H, **f32)
+    pos = torch.tensor([POS], dtype=torch.int32, device="cuda")
+    k_cache = torch.randn(CTX, H, **f32)
+    v_cache = torch.randn(CTX, H, **f32)
+    q = torch.randn(1, H, **f32)
+    attn = torch.empty(1, H, **f32)
+    rb = H // 32 * 34  # row bytes at hidden 2048
+    out: list = []
+
+    def matmul(name: str, rows: int, cols: int, xin: torch.Tensor, y: torch.Tensor, acc: bool) -> None:
+        nbytes = rows * cols // 32 * 34
+        def build() -> Callable[[int], None]:
+            w = q8_0(rows, cols, copies_for(nbytes))
+            return lambda i: K.matmul(Q8_0, w[i % w.shape[0]], xin, None, y, 1, rows, cols, acc)
+        out.append((name, nbytes, build))
+
+    if hasattr(K, "qkv_rope"):
+        def qkv() -> Callable[[int], None]:
+            n = copies_for(3 * H * rb)
+            wq, wk, wv = q8_0(H, H, n), q8_0(H, H, n), q8_0(H, H, n)
+            b = torch.randn(H, **f32)
+            return lambda i: K.qkv_rope(Q8_0, x, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
+                                        k_cache, v_cache, pos, 1, H, HEADS, HEADS, HD, CTX, 1e6, True)
+        out.append(("attn_qkv (qkv_rope)", 3 * H * rb, qkv))
+    matmul("attn_q (one of q/k/v)", H, H, h, q, False)
+
+    def attention() -> Callable[[int], None]:
+        return lambda i: K.attention(q, k_cache, v_cache, attn, pos, 1, HEADS, HEADS, HD, CTX)
+    out.append(("attention (ctx 144)", 0, attention))
+    matmul("attn_output (+residual)", H, H, attn, x, True)
+
+    ids = torch.zeros(1, TOPK, dtype=torch.int32, device="cuda")
+    wts = torch.rand(1, TOPK, **f32)
+    w_router = 0.02 * torch.randn(E, H, **f32)
+    if hasattr(K, "rmsnorm_router_topk"):
+        out.append(("router_topk (rmsnorm fused)", E * H * 4, lambda: (
+            lambda i: K.rmsnorm_router_topk(x, norm_w, 1e-6, h, w_router, ids, wts, 1, E, H, TOPK, False))))
+    out.append(("rmsnorm", 0, lambda: (lambda i: K.rmsnorm(x, norm_w, h, 1, H, 1e-6))))
+    out.append(("router_topk", E * H * 4, lambda: (
+        lambda i: K.router_topk(w_router, h, ids, wts, 1, E, H, TOPK, False))))
+
+    act_sh = torch.randn(1, SFFN, **f32) * 0.1
+    act = torch.randn(1, TOPK, FFN, **f32) * 0.1
+    gate_inp = 0.02 * torch.randn(H, **f32)
+
+    def shared_gate_up() -> Callable[[int], None]:
+        n = copies_for(2 * SFFN * rb)
+        wg, wu = q8_0(SFFN, H, n), q8_0(SFFN, H, n)
+        return lambda i: K.moe_gate_up(Q8_0, wg[i % n], wu[i % n], h, None, act_sh, 1, 1, 0, 1, 1, SFFN, H)
+    out.append(("shared_expert_gate_up", 2 * SFFN * rb, shared_gate_up))
+
+    # Routed experts: each launch picks 4 distinct experts of 60 (rotating), so weights come from DRAM.
+    rot = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(64)]).to(torch.int32)
+    ids_rot = [rot[j:j + 1].contiguous() for j in range(64)]
+
+    def routed_gate_up() -> Callable[[int], None]:
+        wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
+        return lambda i: K.moe_gate_up(Q8_0, wg, wu, h, ids_rot[i % 64], act, 1, TOPK, 0, TOPK, E, FFN, H)
+    out.append(("routed_experts_gate_up (4 of 60)", 2 * TOPK * FFN * rb, routed_gate_up))
+
+    def shared_down() -> Callable[[int], None]:
+        nbytes = H * SFFN // 32 * 34
+        n = copies_for(nbytes)
+        wd = q8_0(H, SFFN, n)
+        return lambda i: K.moe_down_accumulate(Q8_0, wd[i % n], act_sh, None, None, gate_inp, h, x, 1, 1, 0,
+                                               1, 1, H, SFFN)
+    out.append(("shared_expert_down (+residual)", H * SFFN // 32 * 34, shared_down))
+
+    def routed_down() -> Callable[[int], None]:
+        wd = q8_0(E * H, FFN)[0]
+        return lambda i: K.moe_down_accumulate(Q8_0, wd, act, ids_rot[i % 64], wts, None, None, x, 1, TOPK, 0,
+                                               TOPK, E, H, FFN)
+    out.append(("routed_experts_down (4 of 60)", TOPK * H * FFN // 32 * 34, routed_down))
+
+    logits = torch.empty(1, VOCAB, **f32)
+    matmul("output (151936 x 2048)", VOCAB, H, h, logits, False)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=40, help="launches per captured graph (default: 40)")
+    ap.add_argument("--trials", type=int, default=7, help="graph replays, median reported (default: 7)")
+    ap.add_argument("--label", default="", help="a name for this tree in the report (e.g. baseline)")
+    ap.add_argument("--only", default="", help="comma list: only kernels whose name contains one")
+    ap.add_argument("--json", help="write the report as JSON")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    bw = copy_gb_s()
+    rows = []
+    only = [o for o in args.only.split(",") if o]
+    for name, nbytes, build in kernels():
+        if only and not any(o in name for o in only):
+            continue
+        us = graph_time_us(build(), args.reps, args.trials)
+        gbs = nbytes / (us * 1e3) if nbytes else 0.0
+        rows.append({"kernel": name, "us": round(us, 2), "weight_bytes": nbytes, "gb_s": round(gbs, 1),
+                     "fraction_of_copy_bandwidth": round(gbs / bw, 3)})
+        torch.cuda.empty_cache()
+    pdl = os.environ.get("TORNADO_MOE_PDL", "1") != "0"
+    print(f"{args.label or 'tree'}: copy bandwidth {bw:.0f} GB/s, PDL {'on' if pdl else 'off'}")
+    print(f"{'kernel':36s} {'us':>8s} {'MB':>8s} {'GB/s':>8s} {'% copy':>7s}")
+    for r in rows:
+        print(f"{r['kernel']:36s} {r['us']:8.2f} {r['weight_bytes'] / 1e6:8.2f} {r['gb_s']:8.1f} "
+              f"{100 * r['fraction_of_copy_bandwidth']:7.1f}")
+    if args.json:
+        report = run_info(sys.argv[1:], "cuda", label=args.label, copy_gb_s=round(bw, 1), pdl=pdl,
+                          reps=args.reps, trials=args.trials, kernels=rows)
+        report["command"] = " ".join(["python3", "scripts/kernel_bench.py", *sys.argv[1:]])
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
