@@ -22,6 +22,8 @@ struct MatmulJob {
     int64_t t, r;
   };
   struct State {};
+  using WarpCache = NoWarpCache;
+  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
   __device__ int64_t items() const { return n_tokens * rows; }
   __device__ Item decode(int64_t item) const {
     const DivMod d = divmod(item, rows);
@@ -37,8 +39,8 @@ struct MatmulJob {
                          NormCache&) const {
     tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, cols, c, lane, xr, aux);
   }
-  __device__ State begin(const Item&) const { return {}; }
-  __device__ void segment(const Item& it, int, const float (&dot)[1], State&) const {
+  __device__ State begin(const Item&, WarpCache&) const { return {}; }
+  __device__ void segment(const Item& it, int, const float (&dot)[1], State&, WarpCache&) const {
     if ((threadIdx.x & 31) != 0) return;
     float v = dot[0];
     if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + it.r));

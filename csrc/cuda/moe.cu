@@ -9,7 +9,7 @@
  * down_accumulate: one work item per (token, group of kDownRows output rows), its segments the slots of the call
  *   in increasing order. acc = x[t, r]; after each slot's dot products: acc = acc + w_eff * dot (a rounded multiply
  *   then a rounded add), w_eff = weights[t, s] (1 without weights), times sigmoid(z) with the shared-expert gate,
- *   z = dot(gate_inp, h[t]) (lane l adds the values l, l + 32, ... with fma, then warp_sum); x[t, r] = acc once. A
+ *   z = dot(gate_inp, h[t]) (stream.cuh's warp_dot_f32); x[t, r] = acc once. A
  *   per-slot call starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused
  *   and per-slot calls agree bit for bit.
  * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs (expert 0's rows
@@ -46,6 +46,8 @@ struct GateUpJob {
     bool bad;
   };
   struct State {};
+  using WarpCache = NoWarpCache;
+  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
   __device__ int64_t items() const { return n_tokens * slot_count * ffn; }
   __device__ Item decode(int64_t item) const {
     const DivMod pr = divmod(item, ffn);
@@ -70,8 +72,8 @@ struct GateUpJob {
                          NormCache&) const {
     tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, hidden, c, lane, x, aux);
   }
-  __device__ State begin(const Item&) const { return {}; }
-  __device__ void segment(const Item& it, int, const float (&gu)[2], State&) const {
+  __device__ State begin(const Item&, WarpCache&) const { return {}; }
+  __device__ void segment(const Item& it, int, const float (&gu)[2], State&, WarpCache&) const {
     if ((threadIdx.x & 31) == 0) act[it.slot * ffn + it.r] = it.bad ? kNaN : __fmul_rn(silu_f32(gu[0]), gu[1]);
   }
   __device__ void finish(const Item&, State&) const {}
@@ -94,6 +96,8 @@ struct DownJob {
     float acc[kDownRows];
     float gate;
   };
+  using WarpCache = NoWarpCache;
+  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
   __device__ int64_t slot(const Item& it, int seg) const { return it.t * top_k + slot_begin + seg; }
   __device__ int64_t items() const { return n_tokens * groups; }
   __device__ Item decode(int64_t item) const {
@@ -116,21 +120,24 @@ struct DownJob {
                          NormCache&) const {
     tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, ffn, c, lane, xr, aux);
   }
-  __device__ State begin(const Item& it) const {
+  __device__ State begin(const Item& it, WarpCache&) const {
+    // Pull every segment's first activation chunk (this lane's part) into L1: the segments load them one by one.
+    const int lane = threadIdx.x & 31;
+    for (int seg = 0; seg < segments(); ++seg) {
+      const float* xr = xrow(it, seg) + 64 * lane;
+      if (64 * lane < ffn) {
+        prefetch_l1(xr);
+        prefetch_l1(xr + 32);
+      }
+    }
     State st;
     const float* xt = x + it.t * hidden + it.r0;
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r) st.acc[r] = it.r0 + r < hidden ? __ldcg(xt + r) : 0.0f;  // see common.cuh
-    st.gate = 1.0f;
-    if (gate_inp != nullptr) {
-      const float* ht = h + it.t * hidden;
-      float z = 0.0f;
-      for (int64_t i = threadIdx.x & 31; i < hidden; i += 32) z = __fmaf_rn(__ldg(gate_inp + i), ht[i], z);
-      st.gate = sigmoid_f32(warp_sum(z));
-    }
+    st.gate = gate_inp != nullptr ? sigmoid_f32(warp_dot_f32(gate_inp, h + it.t * hidden, hidden)) : 1.0f;
     return st;
   }
-  __device__ void segment(const Item& it, int seg, const float (&dot)[kDownRows], State& st) const {
+  __device__ void segment(const Item& it, int seg, const float (&dot)[kDownRows], State& st, WarpCache&) const {
     const int64_t s = slot(it, seg);
     bool bad;
     slot_expert(ids, s, n_experts, &bad);

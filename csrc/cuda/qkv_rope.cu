@@ -6,7 +6,8 @@
  * (a = i, b = i + head_dim/2 for NEOX RoPE; a = 2i, b = 2i + 1 otherwise), run by stream.cuh's pipeline (the dot
  * product of tm_matmul). Each warp normalises the token's x itself with norm.cuh's tree (the h tm_rmsnorm writes)
  * while loading its activation registers. Epilogue as tm_matmul (v = dot + bias) then as tm_rope_kv_append: theta =
- * pos * freq_base^(-2i/head_dim) in double, cos/sin rounded to float32, a' = a c - b s, b' = a s + b c; q goes to
+ * pos * freq_base^(-2i/head_dim) in double, cos/sin rounded to float32 (each lane of a warp evaluates them for one
+ * of the warp's next 32 items), a' = a c - b s, b' = a s + b c; q goes to
  * `q`, k and v (v unrotated) to the cache rows pos[0] + t (rows outside [0, max_ctx) are not written).
  */
 #include <cmath>
@@ -38,7 +39,15 @@ struct QkvJob {
     int64_t t, head, i;
     int which;  // 0 q, 1 k, 2 v
   };
-  struct State {};
+  struct State {
+    int trig_lane;  // the lane holding this item's cos/sin
+  };
+  // cos/sin of the rotation of the warp's items, 32 at a time: lane j holds those of the warp's item count + j, all
+  // computed in parallel (double-precision pow and sincos are long) when the previous 32 are used up.
+  struct WarpCache {
+    int64_t first, step, count;
+    float c, s;
+  };
   __device__ int64_t half() const { return head_dim / 2; }
   __device__ int64_t per_token() const { return (n_heads + 2 * n_kv) * half(); }
   __device__ int64_t dim_a(int64_t i) const { return neox ? i : 2 * i; }
@@ -81,8 +90,29 @@ struct QkvJob {
     }
     tm_cuda::load_x<F>(row_x, norm_w, norm.inv, hidden, c, lane, xr, aux);
   }
-  __device__ State begin(const Item&) const { return {}; }
-  __device__ void segment(const Item& p, int, const float (&dot)[2], State&) const {
+  __device__ WarpCache warp_cache(int64_t first, int64_t step) const { return WarpCache{first, step, 0, 1.0f, 0.0f}; }
+  __device__ State begin(const Item&, WarpCache& wc) const {
+    const int lane = threadIdx.x & 31;
+    if (wc.count % 32 == 0) {
+      const int64_t item = wc.first + (wc.count + lane) * wc.step;
+      if (item < items()) {
+        const Item q = decode(item);
+        if (q.which < 2) {
+          const int64_t ps = static_cast<int64_t>(pos[0]) + q.t;
+          const double theta = static_cast<double>(ps) *
+                               pow(static_cast<double>(freq_base), -2.0 * static_cast<double>(q.i) /
+                                                                       static_cast<double>(head_dim));
+          double sd, cd;
+          sincos(theta, &sd, &cd);
+          wc.c = static_cast<float>(cd);
+          wc.s = static_cast<float>(sd);
+        }
+      }
+    }
+    return State{static_cast<int>(wc.count++ % 32)};
+  }
+  __device__ void segment(const Item& p, int, const float (&dot)[2], State& st, WarpCache& wc) const {
+    const float c = __shfl_sync(kFullMask, wc.c, st.trig_lane), s = __shfl_sync(kFullMask, wc.s, st.trig_lane);
     if ((threadIdx.x & 31) != 0) return;
     const int64_t da = dim_a(p.i), db = dim_b(p.i);
     const int64_t ra = p.head * head_dim + da, rb = p.head * head_dim + db;
@@ -93,11 +123,6 @@ struct QkvJob {
     }
     const int64_t ps = static_cast<int64_t>(pos[0]) + p.t;
     if (p.which < 2) {
-      const double theta = static_cast<double>(ps) * pow(static_cast<double>(freq_base),
-                                                         -2.0 * static_cast<double>(p.i) / static_cast<double>(head_dim));
-      double sd, cd;
-      sincos(theta, &sd, &cd);
-      const float c = static_cast<float>(cd), s = static_cast<float>(sd);
       const float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
       const float b2 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
       a = a2;

@@ -10,22 +10,25 @@
  *     F16, BF16: the value pairs 2(l + 32i), 2(l + 32i) + 1, i = 0 .. 31;
  *     F32: the values l + 32i, i = 0 .. 63.
  *   A lane keeps one float32 accumulator per row and adds chunk after chunk, inside a chunk in the order above:
- *   per block acc = fma(d, s, acc) with s = q_0 x_0 + ... + q_31 x_31 as a rounded product then an fma chain
- *   (Q4_1 then adds fma(m, x_0 + ... + x_31, acc), a chain of rounded adds); per plain value acc = fma(w, x, acc).
+ *   per block acc = fma(d, s, acc) with s = sum4 of four chains (values 0-7, 8-15, 16-23, 24-31 of the block, each
+ *   a rounded product then an fma chain) (Q4_1 then adds fma(m, x_0 + ... + x_31, acc), a chain of rounded adds);
+ *   plain formats keep four chains per chunk (value or word i in chain i % 4) and add acc + sum4 once per chunk.
  *   The 32 lane accumulators are summed by warp_sum's butterfly. All arithmetic is explicit _rn intrinsics.
  *
  * Pipeline: a warp runs its work items (items w, w + W, w + 2W, ... of a job, W = warps in the grid) as a sequence
- *   of windows, one row chunk each, through `stages` shared-memory buffers that cp.async (16-byte copies, L2 only)
- *   fills `stages - 1` windows ahead of the one being computed. A window is copied as the aligned 16-byte granules
- *   covering it, so its first byte lands at offset (address mod 16) of its buffer; rows that are only 2-byte
- *   aligned are read through a funnel shift (same arithmetic). The activation chunk lives in 64 registers per lane
+ *   of windows, one row chunk each, through `stages` shared-memory buffers that the copy engine fills (one bulk copy
+ *   per window, issued by lane 0, completing on the buffer's mbarrier) `stages - 1` windows ahead of the one being
+ *   computed. A window is copied as the aligned 16-byte granules covering it, so its first byte lands at offset
+ *   (address mod 16) of its buffer; rows that are only 2-byte aligned are read through a funnel shift (same
+ *   arithmetic). The activation chunk lives in 64 registers per lane
  *   and is loaded once for all the windows that multiply it. Before pdl_wait only windows of rows whose addresses
  *   depend on no activation are issued (weights are immutable); activations are read after it.
  *
  * Job interface (device, const): items(); decode(item) -> Item (what the other calls need, computed once per item);
  *   segments() (per item); seg_cols(seg) (row length); is_static(Item) (its rows depend on no activation);
  *   row(Item, seg, r) (start of row r < NR); xrow(Item, seg) (the activation row); load_x(Item, seg, chunk, lane, x,
- *   aux, norm) (fills the registers, may normalise); begin(Item) -> State; segment(Item, seg, dot[NR], State&) and
+ *   aux, norm) (fills the registers, may normalise); warp_cache(first, step) -> WarpCache (per-warp state of the
+ *   epilogues); begin(Item, WarpCache&) -> State; segment(Item, seg, dot[NR], State&, WarpCache&) and
  *   finish(Item, State&) (epilogues; called by every lane, dot[] is the same on all lanes).
  */
 #ifndef TORNADO_MOE_CUDA_STREAM_CUH
@@ -99,6 +102,29 @@ __device__ __forceinline__ float half_at(const uint32_t (&w)[N]) {
   return fp16_bits_to_f32((w[OFF >> 2] >> (8 * (OFF & 3))) & 0xFFFFu);
 }
 
+// (a + b) + (c + d): how the four partial sums of a block (values 0-7, 8-15, 16-23, 24-31, each a rounded product
+// then an fma chain) are combined; four independent chains keep the FMA pipe busy.
+__device__ __forceinline__ float sum4(const float (&s)[4]) {
+  return __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+}
+
+// sum_j q_j x_j of a 4-bit block whose 16 quant bytes start at byte QOFF (value j < 16: low nibble of byte j, else
+// high nibble of byte j - 16), q = nibble - (bias - 2^23), in the four chains of sum4.
+template <int QOFF, int XOFF, int N>
+__device__ __forceinline__ float nibble_block_sum(const uint32_t (&w)[N], const float (&x)[64], float bias) {
+  float s[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int j = 8 * c; j < 8 * c + 8; ++j) {
+      const int b = QOFF + (j & 15);
+      const float q = j < 16 ? nibble<false>(w[b >> 2], b & 3, bias) : nibble<true>(w[b >> 2], b & 3, bias);
+      s[c] = j == 8 * c ? __fmul_rn(q, x[XOFF + j]) : __fmaf_rn(q, x[XOFF + j], s[c]);
+    }
+  }
+  return sum4(s);
+}
+
 // ---- the formats ----------------------------------------------------------------------------------------------
 
 template <Fmt F>
@@ -111,10 +137,15 @@ struct Unit<Fmt::Q8_0> {
   __device__ static int x_index(int lane, int j) { return 64 * lane + j; }
   template <int DOFF, int QOFF, int XOFF>
   __device__ __forceinline__ static float block(const uint32_t (&w)[17], const float (&x)[64], float acc) {
-    float s = __fmul_rn(q8_value(w[QOFF >> 2], QOFF & 3), x[XOFF]);
+    float s[4];
 #pragma unroll
-    for (int j = 1; j < 32; ++j) s = __fmaf_rn(q8_value(w[(QOFF + j) >> 2], (QOFF + j) & 3), x[XOFF + j], s);
-    return __fmaf_rn(half_at<DOFF>(w), s, acc);
+    for (int c = 0; c < 4; ++c) {
+      s[c] = __fmul_rn(q8_value(w[(QOFF + 8 * c) >> 2], (QOFF + 8 * c) & 3), x[XOFF + 8 * c]);
+#pragma unroll
+      for (int j = 8 * c + 1; j < 8 * c + 8; ++j)
+        s[c] = __fmaf_rn(q8_value(w[(QOFF + j) >> 2], (QOFF + j) & 3), x[XOFF + j], s[c]);
+    }
+    return __fmaf_rn(half_at<DOFF>(w), sum4(s), acc);
   }
   template <bool SH>
   __device__ __forceinline__ static float dot(const uint32_t* buf, int off, int lane, int nvals,
@@ -136,14 +167,7 @@ struct Unit<Fmt::Q4_0> {
   __device__ static int x_index(int lane, int j) { return 64 * lane + j; }
   template <int DOFF, int QOFF, int XOFF>
   __device__ __forceinline__ static float block(const uint32_t (&w)[9], const float (&x)[64], float acc) {
-    constexpr float kBias = 8388616.0f;  // 2^23 + 8
-    float s = __fmul_rn(nibble<false>(w[QOFF >> 2], QOFF & 3, kBias), x[XOFF]);
-#pragma unroll
-    for (int j = 1; j < 16; ++j) s = __fmaf_rn(nibble<false>(w[(QOFF + j) >> 2], (QOFF + j) & 3, kBias), x[XOFF + j], s);
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      s = __fmaf_rn(nibble<true>(w[(QOFF + j) >> 2], (QOFF + j) & 3, kBias), x[XOFF + 16 + j], s);
-    return __fmaf_rn(half_at<DOFF>(w), s, acc);
+    return __fmaf_rn(half_at<DOFF>(w), nibble_block_sum<QOFF, XOFF>(w, x, 8388616.0f), acc);  // 2^23 + 8
   }
   template <bool SH>
   __device__ __forceinline__ static float dot(const uint32_t* buf, int off, int lane, int nvals,
@@ -166,15 +190,7 @@ struct Unit<Fmt::Q4_1> {
   __device__ static int x_index(int lane, int j) { return 64 * lane + j; }
   template <int DOFF, int XOFF>
   __device__ __forceinline__ static float block(const uint32_t (&w)[10], const float (&x)[64], float sx, float acc) {
-    constexpr int QOFF = DOFF + 4;
-    constexpr float kBias = 8388608.0f;  // 2^23
-    float s = __fmul_rn(nibble<false>(w[QOFF >> 2], 0, kBias), x[XOFF]);
-#pragma unroll
-    for (int j = 1; j < 16; ++j) s = __fmaf_rn(nibble<false>(w[(QOFF + j) >> 2], (QOFF + j) & 3, kBias), x[XOFF + j], s);
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      s = __fmaf_rn(nibble<true>(w[(QOFF + j) >> 2], (QOFF + j) & 3, kBias), x[XOFF + 16 + j], s);
-    acc = __fmaf_rn(half_at<DOFF>(w), s, acc);
+    acc = __fmaf_rn(half_at<DOFF>(w), nibble_block_sum<DOFF + 4, XOFF>(w, x, 8388608.0f), acc);  // 2^23
     return __fmaf_rn(half_at<DOFF + 2>(w), sx, acc);
   }
   template <bool SH>
@@ -202,16 +218,17 @@ struct Unit16 {
   __device__ __forceinline__ static float dot(const uint32_t* buf, int off, int lane, int nvals,
                                               const float (&x)[64], const float (&)[2], float acc) {
     const uint32_t* p = buf + (off >> 2);
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // word i goes to chain i % 4
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int k = lane + 32 * i;
       if (2 * k < nvals) {
         const uint32_t wd = SH ? __funnelshift_r(p[k], p[k + 1], 16) : p[k];
-        acc = __fmaf_rn(cvt(wd & 0xFFFFu), x[2 * i], acc);
-        if (2 * k + 1 < nvals) acc = __fmaf_rn(cvt(wd >> 16), x[2 * i + 1], acc);
+        s[i & 3] = __fmaf_rn(cvt(wd & 0xFFFFu), x[2 * i], s[i & 3]);
+        if (2 * k + 1 < nvals) s[i & 3] = __fmaf_rn(cvt(wd >> 16), x[2 * i + 1], s[i & 3]);
       }
     }
-    return acc;
+    return __fadd_rn(acc, sum4(s));
   }
 };
 template <>
@@ -228,10 +245,11 @@ struct Unit<Fmt::F32> {
   __device__ __forceinline__ static float dot(const uint32_t* buf, int off, int lane, int nvals,
                                               const float (&x)[64], const float (&)[2], float acc) {
     const uint32_t* p = buf + (off >> 2);
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // value i goes to chain i % 4
 #pragma unroll
     for (int i = 0; i < 64; ++i)
-      if (lane + 32 * i < nvals) acc = __fmaf_rn(__uint_as_float(p[lane + 32 * i]), x[i], acc);
-    return acc;
+      if (lane + 32 * i < nvals) s[i & 3] = __fmaf_rn(__uint_as_float(p[lane + 32 * i]), x[i], s[i & 3]);
+    return __fadd_rn(acc, sum4(s));
   }
 };
 
@@ -293,6 +311,33 @@ __device__ __forceinline__ void load_x(const float* xr, const float* nw, float i
   }
 }
 
+// dot(a, b) of two float32 vectors of n values by one warp (every lane returns it): lane l adds a[i] b[i] for
+// i = l, l + 32, ... with fma in increasing i, then warp_sum. Read in rounds of 1024 values (64 loads per lane in
+// flight); `a` is a weight (read-only path), `b` an activation.
+__device__ __forceinline__ float warp_dot_f32(const float* __restrict__ a, const float* b, int64_t n) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.0f;
+  for (int64_t base = 0; base < n; base += 32 * 32) {
+    float va[32], vb[32];
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      const int64_t i = base + 32 * m + lane;
+      va[m] = i < n ? __ldg(a + i) : 0.0f;
+      vb[m] = i < n ? b[i] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < 32; ++m)
+      if (base + 32 * m + lane < n) acc = __fmaf_rn(va[m], vb[m], acc);
+  }
+  return warp_sum(acc);
+}
+
+// A hint that the line holding p will be read soon from L1.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+
+// Jobs whose epilogues keep no per-warp state.
+struct NoWarpCache {};
+
 // Per-warp cache of the normalisation factor of the activation row last normalised.
 struct NormCache {
   const float* row = nullptr;
@@ -301,81 +346,92 @@ struct NormCache {
 
 // ---- the pipeline ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+// One bulk copy (the Hopper copy engine) per window, completing on the window buffer's mbarrier: one instruction of
+// one lane instead of a copy loop in every lane.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_wait_dyn(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    default: cp_async_wait<kMaxStages - 1>(); break;
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  // Generic-proxy reads of this buffer (the previous window) come before the copy engine's writes.
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   }
-}
-static_assert(kMaxStages == 6, "cp_async_wait_dyn covers 0 .. kMaxStages - 1");
-
-// The 16-byte granules covering global bytes [src, src + n), into the buffer at shared address dst; the warp's
-// lanes share the granules. Granules never cross a 16-byte boundary, so they never leave the pages of the row.
-__device__ __forceinline__ void copy_window(uint32_t dst, const uint8_t* src, int64_t n, int lane) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(src);
-  const uintptr_t g0 = a & ~static_cast<uintptr_t>(15);
-  const int ng = static_cast<int>((a + static_cast<uintptr_t>(n) - g0 + 15) >> 4);
-  for (int g = lane; g < ng; g += 32) cp_async16(dst + 16u * g, reinterpret_cast<const void*>(g0 + 16u * g));
 }
 
 template <Fmt F>
 __host__ __device__ constexpr int stage_bytes_of() {
-  return Unit<F>::kChunkBytes + 32;  // the window, its offset (< 16) and the shifted reads' extra word
+  return Unit<F>::kChunkBytes + 32;  // the window's granules (its offset < 16) and the shifted reads' extra word
 }
 
 __host__ __device__ inline int64_t chunks_of(int64_t cols) { return (cols + kChunk - 1) / kChunk; }
+
+// Shared memory of a block: per warp `stages` mbarriers (8 bytes each), then per warp `stages` window buffers.
+__host__ __device__ inline int64_t barrier_bytes(int warps, int stages) { return (warps * stages * 8 + 15) / 16 * 16; }
 
 template <Fmt F, int NR, class Job>
 __device__ __forceinline__ void stream_rows(const Job& job, int stages) {
   using U = Unit<F>;
   constexpr int kStage = stage_bytes_of<F>();
   extern __shared__ __align__(16) unsigned char stream_smem[];
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = static_cast<int>(blockDim.x >> 5);
   const int64_t step = static_cast<int64_t>(gridDim.x) * warps;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
-  unsigned char* ring = stream_smem + static_cast<size_t>(threadIdx.x >> 5) * stages * kStage;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(stream_smem)) + 8u * warp * stages;
+  unsigned char* ring = stream_smem + barrier_bytes(warps, stages) + static_cast<size_t>(warp) * stages * kStage;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const int64_t n_items = job.items();
   const int nseg = job.segments();
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(bars + 8u * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
 
   // Producer: the next window to issue and the buffer it goes to.
   int64_t p_item = first, p_chunk = 0;
   int p_seg = 0, p_r = 0, p_slot = 0;
   typename Job::Item p_it = job.decode(p_item < n_items ? p_item : 0);
   auto issue_next = [&]() {
-    if (p_item < n_items) {
-      const int64_t cols = job.seg_cols(p_seg);
+    if (p_item >= n_items) return;
+    const int64_t cols = job.seg_cols(p_seg);
+    if (lane == 0) {
       const int64_t b0 = p_chunk * U::kChunkBytes;
       const int64_t rest = tm_qtype_row_bytes(U::kQtype, cols) - b0;
-      copy_window(ring_s + static_cast<uint32_t>(p_slot * kStage), job.row(p_it, p_seg, p_r) + b0,
-                  rest < U::kChunkBytes ? rest : U::kChunkBytes, lane);
-      if (++p_r == NR) {
-        p_r = 0;
-        if (++p_chunk == chunks_of(cols)) {
-          p_chunk = 0;
-          if (++p_seg == nseg) {
-            p_seg = 0;
-            p_item += step;
-            if (p_item < n_items) p_it = job.decode(p_item);
-          }
+      const uintptr_t a = reinterpret_cast<uintptr_t>(job.row(p_it, p_seg, p_r) + b0);
+      const uintptr_t g0 = a & ~static_cast<uintptr_t>(15);
+      const uint32_t bytes = static_cast<uint32_t>((a + (rest < U::kChunkBytes ? rest : U::kChunkBytes) - g0 + 15) &
+                                                   ~static_cast<uintptr_t>(15));
+      bulk_copy(ring_s + static_cast<uint32_t>(p_slot * kStage), reinterpret_cast<const void*>(g0), bytes,
+                bars + 8u * p_slot);
+    }
+    p_slot = p_slot + 1 == stages ? 0 : p_slot + 1;
+    if (++p_r == NR) {
+      p_r = 0;
+      if (++p_chunk == chunks_of(cols)) {
+        p_chunk = 0;
+        if (++p_seg == nseg) {
+          p_seg = 0;
+          p_item += step;
+          if (p_item < n_items) p_it = job.decode(p_item);
         }
       }
     }
-    cp_async_commit();  // one group per window slot, empty past the end: the group count stays uniform
-    p_slot = p_slot + 1 == stages ? 0 : p_slot + 1;
   };
 
   bool waited = false;
@@ -394,9 +450,11 @@ __device__ __forceinline__ void stream_rows(const Job& job, int stages) {
   int64_t x_chunk = -1;
   NormCache norm;
   int c_slot = 0;
+  uint32_t phases = 0;  // bit s: parity of the next completion of buffer s
+  typename Job::WarpCache wc = job.warp_cache(first, step);
   for (int64_t item = first; item < n_items; item += step) {
     const typename Job::Item it = job.decode(item);
-    typename Job::State st = job.begin(it);
+    typename Job::State st = job.begin(it, wc);
     for (int seg = 0; seg < nseg; ++seg) {
       const int64_t cols = job.seg_cols(seg);
       const int64_t nch = chunks_of(cols);
@@ -413,9 +471,9 @@ __device__ __forceinline__ void stream_rows(const Job& job, int stages) {
         const int nvals = static_cast<int>(cols - c * kChunk < kChunk ? cols - c * kChunk : kChunk);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          issue_next();
-          cp_async_wait_dyn(stages - 1);
-          __syncwarp();
+          issue_next();  // refills the buffer released at the end of the previous window
+          mbar_wait(bars + 8u * c_slot, (phases >> c_slot) & 1u);
+          phases ^= 1u << c_slot;
           const uint8_t* a = job.row(it, seg, r) + c * U::kChunkBytes;
           const int off = static_cast<int>(reinterpret_cast<uintptr_t>(a) & 15);
           const uint32_t* buf = reinterpret_cast<const uint32_t*>(ring + c_slot * kStage);
@@ -430,11 +488,10 @@ __device__ __forceinline__ void stream_rows(const Job& job, int stages) {
       float dot[NR];
 #pragma unroll
       for (int r = 0; r < NR; ++r) dot[r] = warp_sum(acc[r]);
-      job.segment(it, seg, dot, st);
+      job.segment(it, seg, dot, st, wc);
     }
     job.finish(it, st);
   }
-  cp_async_wait<0>();
 }
 
 template <Fmt F, int NR, class Job>
@@ -481,10 +538,11 @@ inline int dispatch_fmt(const char* fn_name, int qtype, Fn&& fn) {
 template <Fmt F, int NR, class Job>
 int launch_stream(const Limits& lim, const char* fn, const Job& job, int64_t items, int max_stages,
                   cudaStream_t stream) {
-  constexpr int64_t kStage = stage_bytes_of<F>();
+  constexpr int64_t kStage = stage_bytes_of<F>() + 8;  // a buffer and its mbarrier
   constexpr int64_t kBlockReserve = 1024;  // shared memory the system keeps per resident block
   int64_t budget = lim.smem_sm / kStreamBlocksPerSm - kBlockReserve;
   if (budget > lim.smem_block) budget = lim.smem_block;
+  budget -= 16;  // the barrier area's rounding
   int warps = kStreamWarps;
   int64_t stages = budget / (warps * kStage);
   while (stages < 1 && warps > 1) {
@@ -496,7 +554,7 @@ int launch_stream(const Limits& lim, const char* fn, const Job& job, int64_t ite
                         fn, static_cast<long long>(kStage), static_cast<long long>(lim.smem_block));
   if (stages > max_stages) stages = max_stages;
   if (stages > kMaxStages) stages = kMaxStages;
-  const int64_t smem = warps * stages * kStage;
+  const int64_t smem = barrier_bytes(warps, static_cast<int>(stages)) + warps * stages * stage_bytes_of<F>();
   int64_t per_sm = lim.smem_sm / (smem + kBlockReserve);
   if (per_sm > kStreamBlocksPerSm * kStreamWarps / warps) per_sm = kStreamBlocksPerSm * kStreamWarps / warps;
   if (per_sm < 1) per_sm = 1;
