@@ -57,16 +57,17 @@ if want kernels; then
   timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
   TORNADO_MOE_PDL=0 timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new-no-pdl \
     --json "$OUT/kernels_no_pdl.json" | tee "$OUT/kernels_no_pdl.log"
-  if [ -d .baseline/tornado_moe/_native ]; then
+  if want baseline && [ -d .baseline/tornado_moe/_native ]; then
     PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \
       $PY scripts/kernel_bench.py --label baseline --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
   fi
 fi
 if want ncu; then
   stamp "ncu (streaming kernels, PDL off)"
-  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:stream_kernel -c ${NCU_COUNT:-15} \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats $PY scripts/kernel_bench.py --reps 1 --trials 1 \
+  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:stream_kernel \
+    --launch-skip ${NCU_SKIP:-0} -c ${NCU_COUNT:-15} --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats ${NCU_SECTIONS:-} \
+    $PY scripts/kernel_bench.py --reps 1 --trials 1 \
     --only ${NCU_ONLY:-attn_qkv,attn_output,shared_expert_gate_up,routed_experts_down,output} > "$OUT/ncu.txt" 2>&1
   grep -E "stream_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles" \
     "$OUT/ncu.txt" | head -60
