@@ -1,56 +1,74 @@
 /*
  * matmul.cu - tm_matmul on CUDA: y[t, r] = dot(W[r, :], x[t, :]) (+ bias[r]) (y[t, r] + that when accumulating).
  *
- * One work item per (token, row), item = t * rows + r, run by stream.cuh's pipeline (its dot product and order).
- * Epilogue: v = dot + bias, y = y + v, each a rounded add as in the CPU kernel. A (token, row) value is bitwise
- * the same for any n_tokens, launch shape and pipeline depth.
+ * Launch shape: blocks of 8 warps; a warp computes 1 weight row (2 rows for decode calls with at least 64 rows
+ * per SM, e.g. the output head, so that the activation loads are shared) for 1 token (n_tokens = 1) or a tile of
+ * 4 tokens (so a weight row is read once per 4 tokens; the last tile repeats its last token in the unused slots
+ * and does not store them); grid x = row groups, grid y = token tiles, more than max_grid_yz token tiles are split
+ * into several launches.
+ * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot + bias, y = y + v, each a
+ * rounded add as in the CPU kernel. A (token, row) value is bitwise the same for any n_tokens and any chunking.
  */
-#include "stream.cuh"
+#include "qdot.cuh"
 
 namespace tm_cuda {
 namespace {
 
-struct MatmulJob {
-  const uint8_t* w;
-  const float* x;
-  const float* bias;
-  float* y;
-  int64_t n_tokens, rows, cols, row_bytes;
-  int accumulate;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kTokenTile = 4;
+// Decode calls with at least this many rows per SM give each warp 2 rows: the activation loads (4 bytes per
+// weight value, the larger part of the L1 traffic) are then shared by two rows.
+constexpr int64_t kPairRowsPerSm = 64;
 
-  struct Item {
-    int64_t t, r;
-  };
-  struct State {};
-  using WarpCache = NoWarpCache;
-  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
-  __device__ int64_t items() const { return n_tokens * rows; }
-  __device__ Item decode(int64_t item) const {
-    const DivMod d = divmod(item, rows);
-    return Item{d.q, d.r};
+template <Fmt F, int NR, int NT, bool V>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, 2)
+    matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
+                  int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
+                  int64_t tile0) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
+  pdl_begin();
+  if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
+  const int64_t t0 = (tile0 + blockIdx.y) * NT;
+  const uint8_t* wr[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) wr[i] = w + (r0 + i < rows ? r0 + i : rows - 1) * row_bytes;  // tail: repeat a row
+  const float* xs[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;
+  float out[NR][NT];
+  warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int64_t r = r0 + i;
+      if (lane == i * NT + t && r < rows && t0 + t < n_tokens) {
+        float v = out[i][t];
+        if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + r));
+        float* o = y + (t0 + t) * rows + r;
+        *o = accumulate ? __fadd_rn(__ldcg(o), v) : v;  // in place: read around L1 (common.cuh)
+      }
+    }
   }
-  __device__ int segments() const { return 1; }
-  __device__ int64_t seg_cols(int) const { return cols; }
-  __device__ bool is_static(const Item&) const { return true; }
-  __device__ const uint8_t* row(const Item& it, int, int) const { return w + it.r * row_bytes; }
-  __device__ const float* xrow(const Item& it, int) const { return x + it.t * cols; }
-  template <Fmt F>
-  __device__ void load_x(const Item& it, int seg, int64_t c, int lane, float (&xr)[kLaneVals], float (&aux)[2],
-                         NormCache&) const {
-    tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, cols, c, lane, xr, aux);
-  }
-  __device__ State begin(const Item&, WarpCache&) const { return {}; }
-  __device__ void segment(const Item& it, int, const float (&dot)[1], State&, WarpCache&) const {
-    if ((threadIdx.x & 31) != 0) return;
-    float v = dot[0];
-    if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + it.r));
-    float* o = y + it.t * rows + it.r;
-    *o = accumulate ? __fadd_rn(__ldcg(o), v) : v;  // read around L1 (see common.cuh)
-  }
-  __device__ void finish(const Item&, State&) const {}
-};
+}
 
-constexpr int kMatmulStages = 4;
+template <Fmt F, int NR, int NT, bool V>
+int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const float* x, const float* bias, float* y,
+                  int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate) {
+  const int64_t gx = ceil_div(rows, kWarpsPerBlock * NR);
+  const int64_t ny = ceil_div(n_tokens, NT);
+  if (gx > lim.max_grid_x)
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "tm_matmul: rows = %lld needs more blocks than the grid allows",
+                        static_cast<long long>(rows));
+  for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
+    const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
+    TM_STATUS_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V>,
+                         dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kWarpsPerBlock * 32), 0, s,
+                         w, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, y0));
+  }
+  return TM_OK;
+}
 
 }  // namespace
 }  // namespace tm_cuda
@@ -66,10 +84,22 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
   TM_STATUS_TRY(check_f32_alignment(fn, "y", y));
   Limits lim;
   TM_STATUS_TRY(get_limits(&lim));
-  const MatmulJob job{static_cast<const uint8_t*>(w), x, bias, y, n_tokens, rows, cols,
-                      tm_qtype_row_bytes(qtype, cols), accumulate};
-  return dispatch_fmt(fn, qtype, [&](auto ftag) -> int {
+  const Fmt f = fmt_for(qtype, cols);
+  const int64_t nblocks = cols / fmt_vals(f);
+  const int64_t row_bytes = tm_qtype_row_bytes(qtype, cols);
+  const bool v = fmt_vector_ok(f, w, aligned(x, 16));
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
+  const cudaStream_t s = as_stream(stream);
+  const bool pair_rows = n_tokens == 1 && rows >= kPairRowsPerSm * lim.sm_count;
+  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
-    return launch_stream<F, 1>(lim, fn, job, n_tokens * rows, kMatmulStages, as_stream(stream));
+    constexpr bool V = decltype(vtag)::value;
+    if (n_tokens == 1) {
+      if (pair_rows)
+        return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate);
+      return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate);
+    }
+    return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
+                                              accumulate);
   });
 }

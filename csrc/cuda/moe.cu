@@ -1,159 +1,142 @@
 /*
- * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up and tm_moe_down_accumulate, both run by stream.cuh's
- * pipeline (its dot product and order).
+ * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up and tm_moe_down_accumulate.
  *
- * gate_up: one work item per (token, slot, row r of the expert FFN), item = pair * ffn + r with pair = t *
- *   slot_count + (s - slot_begin); the item's two rows are gate row r and up row r of expert ids[t, s] (sharing the
- *   activation registers), and act[t, s, r] = silu(g) * u. A value depends only on e, r and h[t]: fused
- *   (slot_count = top_k) and per-slot (slot_count = 1) calls agree bit for bit.
- * down_accumulate: one work item per (token, group of kDownRows output rows), its segments the slots of the call
- *   in increasing order. acc = x[t, r]; after each slot's dot products: acc = acc + w_eff * dot (a rounded multiply
- *   then a rounded add), w_eff = weights[t, s] (1 without weights), times sigmoid(z) with the shared-expert gate,
- *   z = dot(gate_inp, h[t]) (stream.cuh's warp_dot_f32); x[t, r] = acc once. A
- *   per-slot call starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused
- *   and per-slot calls agree bit for bit.
- * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs (expert 0's rows
- * are streamed in their place).
+ * gate_up: blocks of 8 warps; grid x = (token, slot) pairs of the call (pair = t * slot_count + (s - slot_begin)),
+ *   grid y = tiles of 8 rows of the expert FFN. A warp computes gate row r and up row r of expert ids[t, s] together
+ *   (one warp_dot with NR = 2 sharing the activation loads) and writes act[t, s, r] = silu(g) * u. Pairs in x put
+ *   the pairs of one row tile side by side in the schedule, so pairs routed to the same expert read its rows while
+ *   they are in L2. Grids larger than the limits are split into several launches (pairs by max_grid_x, row tiles
+ *   by max_grid_yz). The result of a (t, s, r) depends only on e, r and h[t]: fused (slot_count = top_k) and
+ *   per-slot (slot_count = 1) launches agree bit for bit.
+ * down_accumulate: blocks of 8 warps; grid x = tiles of 8 output rows, grid y = tokens (split by max_grid_yz).
+ *   With gate_inp, warp 0 of every block first computes z = dot(gate_inp, h[t]) with warp_dot (F32 layout, same
+ *   order in every block) and sigmoid(z) goes through shared memory. A warp then owns output row r of token t:
+ *   acc = x[t, r]; the slot dot products are computed in groups of up to 4 slots (one warp_dot with per-row
+ *   activations, so the loads of several experts are in flight together; each row's arithmetic is the same as
+ *   alone), then added strictly in slot order: w_eff = weights[t, s] (1 without weights) times sigmoid(z) with the
+ *   gate; acc = acc + w_eff * dot as a rounded multiply then a rounded add; x[t, r] = acc once. A per-slot call
+ *   starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused and
+ *   per-slot calls agree bit for bit.
+ * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs.
  */
-#include "stream.cuh"
+#include "qdot.cuh"
 
 namespace tm_cuda {
 namespace {
 
+constexpr int kRowsPerBlock = 8;
 constexpr float kNaN = __builtin_nanf("");
-constexpr int kGateUpStages = 4;
-constexpr int kDownRows = 2;
-constexpr int kDownStages = 6;
 
-// Expert id of a slot (clamped into range for addressing) and whether it was out of range.
-__device__ __forceinline__ int64_t slot_expert(const int32_t* ids, int64_t slot, int64_t n_experts, bool* bad) {
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
+    moe_gate_up_kernel(const uint8_t* __restrict__ w_gate, const uint8_t* __restrict__ w_up,
+                       const float* __restrict__ h, const int32_t* __restrict__ ids, float* __restrict__ act,
+                       int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
+                       int64_t hidden, int64_t row_bytes, int64_t nblocks, int64_t pair0, int64_t tile0) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = (tile0 + blockIdx.y) * kRowsPerBlock + warp;
+  pdl_begin();
+  if (r >= ffn) return;
+  const int64_t pair = pair0 + blockIdx.x;
+  const int64_t t = pair / slot_count;
+  const int64_t slot = t * top_k + slot_begin + pair % slot_count;
   const int64_t e = ids != nullptr ? static_cast<int64_t>(ids[slot]) : 0;
-  *bad = e < 0 || e >= n_experts;
-  return *bad ? 0 : e;
+  float* o = act + slot * ffn + r;
+  if (e < 0 || e >= n_experts) {
+    if (lane == 0) *o = kNaN;
+    return;
+  }
+  const int64_t off = (e * ffn + r) * row_bytes;
+  const uint8_t* wr[2] = {w_gate + off, w_up + off};
+  const float* xs[1] = {h + t * hidden};
+  float gu[2][1];
+  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+  if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
-struct GateUpJob {
-  const uint8_t* w_gate;
-  const uint8_t* w_up;
-  const float* h;
-  const int32_t* ids;
-  float* act;
-  int64_t n_tokens, top_k, slot_begin, slot_count, n_experts, ffn, hidden, row_bytes;
+// How the shared-expert gate dot product is evaluated (chosen on the host from hidden and the alignment).
+enum GateMode : int { kGateNone = 0, kGateF32 = 1, kGateF32X4 = 2, kGateF32X4Vec = 3 };
 
-  struct Item {
-    const uint8_t* gate;  // the item's gate row; its up row is at the same offset of w_up
-    int64_t t, slot, r;
-    bool bad;
-  };
-  struct State {};
-  using WarpCache = NoWarpCache;
-  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
-  __device__ int64_t items() const { return n_tokens * slot_count * ffn; }
-  __device__ Item decode(int64_t item) const {
-    const DivMod pr = divmod(item, ffn);
-    const DivMod ts = divmod(pr.q, slot_count);
-    Item it;
-    it.t = ts.q;
-    it.slot = ts.q * top_k + slot_begin + ts.r;
-    it.r = pr.r;
-    const int64_t e = slot_expert(ids, it.slot, n_experts, &it.bad);
-    it.gate = w_gate + (e * ffn + it.r) * row_bytes;
-    return it;
-  }
-  __device__ int segments() const { return 1; }
-  __device__ int64_t seg_cols(int) const { return hidden; }
-  __device__ bool is_static(const Item&) const { return ids == nullptr; }
-  __device__ const uint8_t* row(const Item& it, int, int r) const {
-    return r == 0 ? it.gate : w_up + (it.gate - w_gate);
-  }
-  __device__ const float* xrow(const Item& it, int) const { return h + it.t * hidden; }
-  template <Fmt F>
-  __device__ void load_x(const Item& it, int seg, int64_t c, int lane, float (&x)[kLaneVals], float (&aux)[2],
-                         NormCache&) const {
-    tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, hidden, c, lane, x, aux);
-  }
-  __device__ State begin(const Item&, WarpCache&) const { return {}; }
-  __device__ void segment(const Item& it, int, const float (&gu)[2], State&, WarpCache&) const {
-    if ((threadIdx.x & 31) == 0) act[it.slot * ffn + it.r] = it.bad ? kNaN : __fmul_rn(silu_f32(gu[0]), gu[1]);
-  }
-  __device__ void finish(const Item&, State&) const {}
-};
-
-struct DownJob {
+struct DownArgs {
   const uint8_t* w_down;
   const float* act;
   const int32_t* ids;
   const float* weights;
-  const float* gate_inp;
-  const float* h;
-  float* x;
-  int64_t n_tokens, top_k, slot_begin, slot_count, n_experts, hidden, ffn, row_bytes, groups;
-
-  struct Item {
-    int64_t t, r0;
-  };
-  struct State {
-    float acc[kDownRows];
-    float gate;
-  };
-  using WarpCache = NoWarpCache;
-  __device__ WarpCache warp_cache(int64_t, int64_t) const { return {}; }
-  __device__ int64_t slot(const Item& it, int seg) const { return it.t * top_k + slot_begin + seg; }
-  __device__ int64_t items() const { return n_tokens * groups; }
-  __device__ Item decode(int64_t item) const {
-    const DivMod d = divmod(item, groups);
-    return Item{d.q, d.r * kDownRows};
-  }
-  __device__ int segments() const { return static_cast<int>(slot_count); }
-  __device__ int64_t seg_cols(int) const { return ffn; }
-  __device__ bool is_static(const Item&) const { return ids == nullptr; }
-  __device__ const uint8_t* row(const Item& it, int seg, int r) const {
-    bool bad;
-    const int64_t e = slot_expert(ids, slot(it, seg), n_experts, &bad);
-    int64_t rr = it.r0 + r;
-    if (rr >= hidden) rr = hidden - 1;  // the last group's missing rows re-read a valid row, never stored
-    return w_down + (e * hidden + rr) * row_bytes;
-  }
-  __device__ const float* xrow(const Item& it, int seg) const { return act + slot(it, seg) * ffn; }
-  template <Fmt F>
-  __device__ void load_x(const Item& it, int seg, int64_t c, int lane, float (&xr)[kLaneVals], float (&aux)[2],
-                         NormCache&) const {
-    tm_cuda::load_x<F>(xrow(it, seg), nullptr, 0.0f, ffn, c, lane, xr, aux);
-  }
-  __device__ State begin(const Item& it, WarpCache&) const {
-    // Pull every segment's first activation chunk (this lane's part) into L1: the segments load them one by one.
-    const int lane = threadIdx.x & 31;
-    for (int seg = 0; seg < segments(); ++seg) {
-      const float* xr = xrow(it, seg) + 64 * lane;
-      if (64 * lane < ffn) {
-        prefetch_l1(xr);
-        prefetch_l1(xr + 32);
-      }
-    }
-    State st;
-    const float* xt = x + it.t * hidden + it.r0;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r) st.acc[r] = it.r0 + r < hidden ? __ldcg(xt + r) : 0.0f;  // see common.cuh
-    st.gate = gate_inp != nullptr ? sigmoid_f32(warp_dot_f32(gate_inp, h + it.t * hidden, hidden)) : 1.0f;
-    return st;
-  }
-  __device__ void segment(const Item& it, int seg, const float (&dot)[kDownRows], State& st, WarpCache&) const {
-    const int64_t s = slot(it, seg);
-    bool bad;
-    slot_expert(ids, s, n_experts, &bad);
-    float w = weights != nullptr ? weights[s] : 1.0f;
-    if (gate_inp != nullptr) w = __fmul_rn(w, st.gate);
-    if (bad) w = kNaN;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r) st.acc[r] = __fadd_rn(st.acc[r], __fmul_rn(w, dot[r]));
-  }
-  __device__ void finish(const Item& it, State& st) const {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r)
-      if (lane == r && it.r0 + r < hidden) x[it.t * hidden + it.r0 + r] = st.acc[r];
-  }
+  int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
 };
+
+// acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
+template <Fmt F, int NR, bool V>
+__device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
+                                            float gate, float acc) {
+  const uint8_t* wr[NR];
+  const float* xs[NR];
+  float w_eff[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int64_t slot = t * a.top_k + s + i;
+    int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+    const bool bad = e < 0 || e >= a.n_experts;
+    if (bad) e = 0;
+    wr[i] = a.w_down + (e * a.hidden + r) * a.row_bytes;
+    xs[i] = a.act + slot * a.ffn;
+    float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
+    if (gated) w = __fmul_rn(w, gate);
+    w_eff[i] = bad ? kNaN : w;
+  }
+  float d[NR][1];
+  warp_dot<F, NR, 1, false, V>(wr, xs, a.nblocks, d);
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc = __fadd_rn(acc, __fmul_rn(w_eff[i], d[i][0]));
+  return acc;
+}
+
+// sigmoid(dot(gate_inp, h_t)) by one warp (warp_dot in the F32 layout: the same bits in every block).
+__device__ __forceinline__ float shared_gate(const float* gate_inp, const float* ht, int64_t hidden, int gate_mode) {
+  const uint8_t* gw[1] = {reinterpret_cast<const uint8_t*>(gate_inp)};
+  const float* gx[1] = {ht};
+  float z[1][1];
+  if (gate_mode == kGateF32)
+    warp_dot<Fmt::F32, 1, 1, true, false>(gw, gx, hidden, z);
+  else if (gate_mode == kGateF32X4)
+    warp_dot<Fmt::F32X4, 1, 1, true, false>(gw, gx, hidden / 4, z);
+  else
+    warp_dot<Fmt::F32X4, 1, 1, true, true>(gw, gx, hidden / 4, z);
+  return sigmoid_f32(z[0][0]);
+}
+
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
+    moe_down_kernel(DownArgs a, const float* __restrict__ gate_inp, const float* __restrict__ h, float* x,
+                    int64_t slot_begin, int64_t slot_count, int gate_mode, int64_t tok0) {
+  __shared__ float s_gate;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = tok0 + blockIdx.y;
+  pdl_begin();
+  float gate = 1.0f;
+  if (gate_mode != kGateNone) {
+    if (warp == 0) {
+      const float g = shared_gate(gate_inp, h + t * a.hidden, a.hidden, gate_mode);
+      if (lane == 0) s_gate = g;
+    }
+    __syncthreads();
+    gate = s_gate;
+  }
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
+  if (r >= a.hidden) return;
+  const bool gated = gate_mode != kGateNone;
+  float* xo = x + t * a.hidden + r;
+  float acc = __ldcg(xo);  // in place: read around L1 (common.cuh)
+  int64_t s = slot_begin;
+  const int64_t end = slot_begin + slot_count;
+  for (; end - s >= 4; s += 4) acc = down_group<F, 4, V>(a, t, r, s, gated, gate, acc);
+  if (end - s >= 2) {
+    acc = down_group<F, 2, V>(a, t, r, s, gated, gate, acc);
+    s += 2;
+  }
+  if (end - s >= 1) acc = down_group<F, 1, V>(a, t, r, s, gated, gate, acc);
+  if (lane == 0) *xo = acc;
+}
 
 }  // namespace
 }  // namespace tm_cuda
@@ -170,11 +153,27 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   TM_STATUS_TRY(check_f32_alignment(fn, "act", act));
   Limits lim;
   TM_STATUS_TRY(get_limits(&lim));
-  const GateUpJob job{static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), h, ids, act, n_tokens,
-                      top_k, slot_begin, slot_count, n_experts, ffn, hidden, tm_qtype_row_bytes(qtype, hidden)};
-  return dispatch_fmt(fn, qtype, [&](auto ftag) -> int {
+  const Fmt f = fmt_for(qtype, hidden);
+  const int64_t nblocks = hidden / fmt_vals(f);
+  const int64_t row_bytes = tm_qtype_row_bytes(qtype, hidden);
+  const bool v = fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
+  const int64_t n_pairs = n_tokens * slot_count;
+  const int64_t n_tiles = ceil_div(ffn, kRowsPerBlock);
+  const cudaStream_t s = as_stream(stream);
+  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
-    return launch_stream<F, 2>(lim, fn, job, n_tokens * slot_count * ffn, kGateUpStages, as_stream(stream));
+    constexpr bool V = decltype(vtag)::value;
+    for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
+      const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
+      for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
+        const int64_t gy = n_tiles - y0 < lim.max_grid_yz ? n_tiles - y0 : lim.max_grid_yz;
+        TM_STATUS_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>,
+                             dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kRowsPerBlock * 32), 0,
+                             s, static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), h, ids, act,
+                             top_k, slot_begin, slot_count, n_experts, ffn, hidden, row_bytes, nblocks, p0, y0));
+      }
+    }
+    return TM_OK;
   });
 }
 
@@ -191,11 +190,39 @@ extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const 
   TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
   Limits lim;
   TM_STATUS_TRY(get_limits(&lim));
-  const int64_t groups = ceil_div(hidden, kDownRows);
-  const DownJob job{static_cast<const uint8_t*>(w_down), act, ids, weights, gate_inp, h, x, n_tokens, top_k,
-                    slot_begin, slot_count, n_experts, hidden, ffn, tm_qtype_row_bytes(qtype, ffn), groups};
-  return dispatch_fmt(fn, qtype, [&](auto ftag) -> int {
+  const Fmt f = fmt_for(qtype, ffn);
+  DownArgs a;
+  a.w_down = static_cast<const uint8_t*>(w_down);
+  a.act = act;
+  a.ids = ids;
+  a.weights = weights;
+  a.top_k = top_k;
+  a.n_experts = n_experts;
+  a.hidden = hidden;
+  a.ffn = ffn;
+  a.row_bytes = tm_qtype_row_bytes(qtype, ffn);
+  a.nblocks = ffn / fmt_vals(f);
+  int gate_mode = kGateNone;
+  if (gate_inp != nullptr) {
+    if (hidden % 4 != 0)
+      gate_mode = kGateF32;
+    else
+      gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
+  }
+  const bool v = fmt_vector_ok(f, w_down, aligned(act, 16));
+  const int64_t gx = ceil_div(hidden, kRowsPerBlock);
+  if (gx > lim.max_grid_x)
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
+                        static_cast<long long>(hidden));
+  const cudaStream_t s = as_stream(stream);
+  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
-    return launch_stream<F, kDownRows>(lim, fn, job, n_tokens * groups, kDownStages, as_stream(stream));
+    constexpr bool V = decltype(vtag)::value;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+      const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+      TM_STATUS_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                           dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
+    }
+    return TM_OK;
   });
 }

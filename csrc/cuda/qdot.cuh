@@ -1,0 +1,443 @@
+/*
+ * qdot.cuh - internal to csrc/cuda: GGUF block decoders and THE warp dot product of a weight row with float32
+ * activations. Every matrix-vector kernel (matmul, routed/shared expert gate-up and down, router logits, the
+ * shared-expert gate) computes its dot products with warp_dot below, so one (row, activation) pair always gives
+ * the same bits whichever kernel variant, tile shape or launch chunking asked for it.
+ *
+ * Lane layout and reduction order (fixed per weight format and row length, never by the launch):
+ *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1; 4 values for the F16x4/BF16x4/F32x4 layouts
+ *   used when the row length is a multiple of 4; 1 value otherwise). kLanes lanes share a block (part = lane %
+ *   kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s, lane l handles block
+ *   s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row, token) and adds its blocks
+ *   in increasing step order (Q8_0/Q4_0: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain;
+ *   Q4_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); plain: an fma per value). The 32 lane accumulators
+ *   are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics, so the
+ *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
+ *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
+ *
+ * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned), fp16/bf16/f32
+ * rows in the x4 layouts as 8/16-byte vectors when the pointers allow (template flag V; same arithmetic either
+ * way), activations as float4 when 16-byte aligned (V) else as four floats, with plain loads (they may come from
+ * the previous kernel of the stream, or from shared memory). Weight loads of U steps are issued
+ * before any of them is used, to keep enough bytes in flight for a memory-bound matrix-vector product.
+ */
+#ifndef TORNADO_MOE_CUDA_QDOT_CUH
+#define TORNADO_MOE_CUDA_QDOT_CUH
+
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace tm_cuda {
+
+// The row layouts of the dot product (see above). X4 layouts are chosen by the row length alone.
+enum class Fmt : int { Q8_0, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+
+// Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
+// output, or live in shared memory).
+template <bool V>
+__device__ __forceinline__ float4 ld_f4(const float* p) {
+  if constexpr (V) {
+    return __ldg(reinterpret_cast<const float4*>(p));
+  } else {
+    return make_float4(__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3));
+  }
+}
+template <bool V>
+__device__ __forceinline__ float4 ld_x4(const float* p) {
+  if constexpr (V) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    return make_float4(p[0], p[1], p[2], p[3]);
+  }
+}
+
+// 2^23 + byte i of `word` as a float (exact): a byte-to-float conversion at full ALU rate (no I2F).
+__device__ __forceinline__ float biased_byte(uint32_t word, int i) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + static_cast<unsigned>(i)));
+}
+
+// Each layout: kVals values per block, kBytes bytes per block, kLanes lanes per block, kLoadRegs registers one
+// lane's loads of one block occupy while in flight; Frag (one lane's raw weights of a block), XFrag (its
+// activations), load/loadx, and dot (acc + the block's contribution, in a fixed order).
+template <Fmt F>
+struct FmtTraits;
+
+// Q8_0: 34-byte blocks (fp16 d, 32 int8); 8 lanes per block, 4 values per lane.
+template <>
+struct FmtTraits<Fmt::Q8_0> {
+  static constexpr int kVals = 32, kBytes = 34, kLanes = 8, kLoadRegs = 3;
+  struct Frag {
+    uint32_t q, d;
+  };
+  using XFrag = float4;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    Frag f;
+    f.d = ldg_u16(blk);
+    f.q = ldg_u16(blk + 2 + 4 * part) | (ldg_u16(blk + 4 + 4 * part) << 16);
+    return f;
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    return ld_x4<V>(xb + 4 * part);
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const uint32_t q = f.q ^ 0x80808080u;  // int8 -> uint8 + 128
+    const float q0 = __fsub_rn(biased_byte(q, 0), 8388736.0f);  // 2^23 + 128
+    const float q1 = __fsub_rn(biased_byte(q, 1), 8388736.0f);
+    const float q2 = __fsub_rn(biased_byte(q, 2), 8388736.0f);
+    const float q3 = __fsub_rn(biased_byte(q, 3), 8388736.0f);
+    float s = __fmul_rn(q0, x.x);
+    s = __fmaf_rn(q1, x.y, s);
+    s = __fmaf_rn(q2, x.z, s);
+    s = __fmaf_rn(q3, x.w, s);
+    return __fmaf_rn(fp16_bits_to_f32(f.d), s, acc);
+  }
+};
+
+// Q4_0: 18-byte blocks (fp16 d, 16 bytes: low nibbles values 0..15, high nibbles 16..31); 4 lanes per block,
+// lane part p takes bytes 4p..4p+3, i.e. values 4p..4p+3 and 16+4p..16+4p+3.
+template <>
+struct FmtTraits<Fmt::Q4_0> {
+  static constexpr int kVals = 32, kBytes = 18, kLanes = 4, kLoadRegs = 3;
+  struct Frag {
+    uint32_t q, d;
+  };
+  struct XFrag {
+    float4 lo, hi;
+  };
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    Frag f;
+    f.d = ldg_u16(blk);
+    f.q = ldg_u16(blk + 2 + 4 * part) | (ldg_u16(blk + 4 + 4 * part) << 16);
+    return f;
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    return XFrag{ld_x4<V>(xb + 4 * part), ld_x4<V>(xb + 16 + 4 * part)};
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const uint32_t lo = f.q & 0x0F0F0F0Fu, hi = (f.q >> 4) & 0x0F0F0F0Fu;
+    constexpr float kBias = 8388616.0f;  // 2^23 + 8: q - 8
+    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    return __fmaf_rn(fp16_bits_to_f32(f.d), s, acc);
+  }
+};
+
+// Q4_1: 20-byte blocks (fp16 d, fp16 m, 16 bytes of nibbles as Q4_0); v = q*d + m, so a block contributes
+// d * sum(q x) + m * sum(x).
+template <>
+struct FmtTraits<Fmt::Q4_1> {
+  static constexpr int kVals = 32, kBytes = 20, kLanes = 4, kLoadRegs = 4;
+  struct Frag {
+    uint32_t q, dm;
+  };
+  using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    Frag f;
+    f.dm = ldg_u16(blk) | (ldg_u16(blk + 2) << 16);
+    f.q = ldg_u16(blk + 4 + 4 * part) | (ldg_u16(blk + 6 + 4 * part) << 16);
+    return f;
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    return XFrag{ld_x4<V>(xb + 4 * part), ld_x4<V>(xb + 16 + 4 * part)};
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const uint32_t lo = f.q & 0x0F0F0F0Fu, hi = (f.q >> 4) & 0x0F0F0F0Fu;
+    constexpr float kBias = 8388608.0f;  // 2^23: q
+    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    float sx = __fadd_rn(x.lo.x, x.lo.y);
+    sx = __fadd_rn(sx, x.lo.z);
+    sx = __fadd_rn(sx, x.lo.w);
+    sx = __fadd_rn(sx, x.hi.x);
+    sx = __fadd_rn(sx, x.hi.y);
+    sx = __fadd_rn(sx, x.hi.z);
+    sx = __fadd_rn(sx, x.hi.w);
+    acc = __fmaf_rn(fp16_bits_to_f32(f.dm & 0xFFFFu), s, acc);
+    return __fmaf_rn(fp16_bits_to_f32(f.dm >> 16), sx, acc);
+  }
+};
+
+// Plain 16-bit formats, one value per lane per step (row lengths that are not a multiple of 4).
+template <bool BF>
+struct Plain16Traits {
+  static constexpr int kVals = 1, kBytes = 2, kLanes = 1, kLoadRegs = 1;
+  struct Frag {
+    uint32_t h;
+  };
+  using XFrag = float;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int) {
+    return Frag{ldg_u16(blk)};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int) {
+    return *xb;
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    return __fmaf_rn(BF ? bf16_bits_to_f32(f.h) : fp16_bits_to_f32(f.h), x, acc);
+  }
+};
+template <>
+struct FmtTraits<Fmt::F16> : Plain16Traits<false> {};
+template <>
+struct FmtTraits<Fmt::BF16> : Plain16Traits<true> {};
+
+// 16-bit formats, four consecutive values per lane per step (8 bytes).
+template <bool BF>
+struct Quad16Traits {
+  static constexpr int kVals = 4, kBytes = 8, kLanes = 1, kLoadRegs = 4;
+  struct Frag {
+    uint32_t a, b;
+  };
+  using XFrag = float4;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int) {
+    if constexpr (V) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(blk));
+      return Frag{u.x, u.y};
+    } else {
+      return Frag{ldg_u16(blk) | (ldg_u16(blk + 2) << 16), ldg_u16(blk + 4) | (ldg_u16(blk + 6) << 16)};
+    }
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int) {
+    return ld_x4<V>(xb);
+  }
+  __device__ __forceinline__ static float cvt(uint32_t bits) {
+    return BF ? bf16_bits_to_f32(bits) : fp16_bits_to_f32(bits);
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    acc = __fmaf_rn(cvt(f.a & 0xFFFFu), x.x, acc);
+    acc = __fmaf_rn(cvt(f.a >> 16), x.y, acc);
+    acc = __fmaf_rn(cvt(f.b & 0xFFFFu), x.z, acc);
+    return __fmaf_rn(cvt(f.b >> 16), x.w, acc);
+  }
+};
+template <>
+struct FmtTraits<Fmt::F16X4> : Quad16Traits<false> {};
+template <>
+struct FmtTraits<Fmt::BF16X4> : Quad16Traits<true> {};
+
+template <>
+struct FmtTraits<Fmt::F32> {
+  static constexpr int kVals = 1, kBytes = 4, kLanes = 1, kLoadRegs = 1;
+  struct Frag {
+    float w;
+  };
+  using XFrag = float;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int) {
+    return Frag{__ldg(reinterpret_cast<const float*>(blk))};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int) {
+    return *xb;
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    return __fmaf_rn(f.w, x, acc);
+  }
+};
+
+template <>
+struct FmtTraits<Fmt::F32X4> {
+  static constexpr int kVals = 4, kBytes = 16, kLanes = 1, kLoadRegs = 6;
+  struct Frag {
+    float4 w;
+  };
+  using XFrag = float4;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int) {
+    return Frag{ld_f4<V>(reinterpret_cast<const float*>(blk))};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int) {
+    return ld_x4<V>(xb);
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    acc = __fmaf_rn(f.w.x, x.x, acc);
+    acc = __fmaf_rn(f.w.y, x.y, acc);
+    acc = __fmaf_rn(f.w.z, x.z, acc);
+    return __fmaf_rn(f.w.w, x.w, acc);
+  }
+};
+
+// Warp dot products of NR weight rows with activations, NT tokens at once.
+//   SX (shared x): every row is multiplied with the same NT activation vectors x[0..NT) (matmul token tiles,
+//                  gate+up pairs); otherwise NT must be 1 and row r is multiplied with its own x[r] (the slots of
+//                  a down projection).
+//   w[r]     : start of row r (kBytes-sized blocks); x[.]: start of the activation row (float32, row length
+//              nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same on all lanes.
+template <Fmt F, int NR, int NT, bool SX, bool V>
+__device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+                                         int64_t nblocks, float (&out)[NR][NT]) {
+  static_assert(SX || NT == 1, "per-row activations take one token");
+  using T = FmtTraits<F>;
+  constexpr int kBlocksPerStep = 32 / T::kLanes;
+  // Steps whose weight loads are issued together: a budget of about 48 loaded registers per lane for shared
+  // activations, 24 for per-row activations (the down projection keeps NR experts' rows and activations live),
+  // so that two blocks of 8 warps fit an SM without spilling.
+  constexpr int kBudget = SX ? (NR * NT > 1 ? 40 : 48) : 24;
+  constexpr int kFit = kBudget / (T::kLoadRegs * NR * NT);
+  constexpr int kUnroll = kFit < 1 ? 1 : (kFit > 16 ? 16 : kFit);
+  const int lane = threadIdx.x & 31;
+  const int sub = lane / T::kLanes;
+  const int part = lane % T::kLanes;
+
+  float acc[NR][NT];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+
+  // Batches of kUnroll steps in which every lane has a block run without bounds checks (affine addresses); the
+  // rest (at most kUnroll steps plus a partial step) clamps and predicates. The accumulation order is the same.
+  const int64_t nsteps = (nblocks + kBlocksPerStep - 1) / kBlocksPerStep;
+  const int64_t nfull = nblocks / kBlocksPerStep;  // steps in which all 32 lanes have a block
+  int64_t s0 = 0;
+  for (; s0 + kUnroll <= nfull; s0 += kUnroll) {
+    typename T::Frag f[kUnroll][NR];
+    const int64_t blk0 = s0 * kBlocksPerStep + sub;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        f[u][r] = T::template load<V>(w[r] + (blk0 + u * kBlocksPerStep) * T::kBytes, part);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t blk = blk0 + u * kBlocksPerStep;
+      if constexpr (SX) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * T::kVals, part);
+#pragma unroll
+          for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(f[u][r], xf, acc[r][t]);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * T::kVals, part);
+          acc[r][0] = T::dot(f[u][r], xf, acc[r][0]);
+        }
+      }
+    }
+  }
+  for (; s0 < nsteps; s0 += kUnroll) {
+    typename T::Frag f[kUnroll][NR];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      // Past the row end a lane re-reads the last block (always valid, never used): unpredicated loads let the
+      // compiler issue all of them before the first use.
+      int64_t blk = (s0 + u) * kBlocksPerStep + sub;
+      blk = blk < nblocks ? blk : nblocks - 1;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) f[u][r] = T::template load<V>(w[r] + blk * T::kBytes, part);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t blk = (s0 + u) * kBlocksPerStep + sub;
+      if (blk < nblocks) {
+        if constexpr (SX) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * T::kVals, part);
+#pragma unroll
+            for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(f[u][r], xf, acc[r][t]);
+          }
+        } else {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * T::kVals, part);
+            acc[r][0] = T::dot(f[u][r], xf, acc[r][0]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
+}
+
+// ---- host side: choosing the layout -------------------------------------------------------------------------
+
+// The row layout of `qtype` for rows of `cols` values (depends on the shape only, so results never depend on
+// where the buffers happen to be allocated).
+inline Fmt fmt_for(int qtype, int64_t cols) {
+  const bool quad = cols % 4 == 0;
+  switch (qtype) {
+    case TM_Q8_0: return Fmt::Q8_0;
+    case TM_Q4_0: return Fmt::Q4_0;
+    case TM_Q4_1: return Fmt::Q4_1;
+    case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
+    case TM_BF16: return quad ? Fmt::BF16X4 : Fmt::BF16;
+    default: return quad ? Fmt::F32X4 : Fmt::F32;
+  }
+}
+
+// Values per block of a layout (the row length in blocks is cols / fmt_vals).
+inline int64_t fmt_vals(Fmt f) {
+  switch (f) {
+    case Fmt::Q8_0: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
+    case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
+    default: return 1;
+  }
+}
+
+// Whether the vector-load variant may be used: activations 16-byte aligned and, for the x4 plain layouts, the
+// weight base aligned to its vector width (row strides are then multiples of it). Row layouts of one value per
+// lane never use vectors.
+inline bool fmt_vector_ok(Fmt f, const void* w, bool x_aligned16) {
+  switch (f) {
+    case Fmt::F16: case Fmt::BF16: case Fmt::F32: return false;
+    case Fmt::F16X4: case Fmt::BF16X4: return x_aligned16 && aligned(w, 8);
+    case Fmt::F32X4: return x_aligned16 && aligned(w, 16);
+    default: return x_aligned16;
+  }
+}
+
+template <Fmt F>
+using FmtTag = std::integral_constant<Fmt, F>;
+
+// Calls fn(FmtTag<F>{}, std::bool_constant<V>{}) for the runtime layout f and vector flag v; the one-value layouts
+// are only instantiated with V = false.
+template <class Fn>
+inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
+  switch (f) {
+    case Fmt::Q8_0: return v ? fn(FmtTag<Fmt::Q8_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0>{}, std::false_type{});
+    case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
+    case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
+    case Fmt::F16X4:
+      return v ? fn(FmtTag<Fmt::F16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F16X4>{}, std::false_type{});
+    case Fmt::BF16X4:
+      return v ? fn(FmtTag<Fmt::BF16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::BF16X4>{}, std::false_type{});
+    case Fmt::F32X4:
+      return v ? fn(FmtTag<Fmt::F32X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F32X4>{}, std::false_type{});
+    case Fmt::F16: return fn(FmtTag<Fmt::F16>{}, std::false_type{});
+    case Fmt::BF16: return fn(FmtTag<Fmt::BF16>{}, std::false_type{});
+    default: return fn(FmtTag<Fmt::F32>{}, std::false_type{});
+  }
+}
+
+}  // namespace tm_cuda
+
+#endif
