@@ -117,6 +117,13 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
+// The lines of a weight row, spread over the warp's lanes: what a kernel may do before pdl_wait (weights never
+// change), so its first loads hit L2 while the previous kernel still runs.
+__device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, int lane) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 128 * lane; off < bytes; off += 32 * 128) prefetch_l2(p + off);
+}
+
 // ---- device helpers ---------------------------------------------------------------------------------------
 
 constexpr unsigned kFullMask = 0xffffffffu;

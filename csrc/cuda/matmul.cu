@@ -27,12 +27,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 2)
                   int64_t tile0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
-  pdl_begin();
-  if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
-  const int64_t t0 = (tile0 + blockIdx.y) * NT;
   const uint8_t* wr[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) wr[i] = w + (r0 + i < rows ? r0 + i : rows - 1) * row_bytes;  // tail: repeat a row
+  if (r0 < rows && tile0 + blockIdx.y == 0)
+#pragma unroll
+    for (int i = 0; i < NR; ++i) prefetch_row_l2(wr[i], row_bytes, lane);
+  pdl_begin();
+  if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
+  const int64_t t0 = (tile0 + blockIdx.y) * NT;
   const float* xs[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;

@@ -35,6 +35,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
                        int64_t hidden, int64_t row_bytes, int64_t nblocks, int64_t pair0, int64_t tile0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = (tile0 + blockIdx.y) * kRowsPerBlock + warp;
+  if (ids == nullptr && r < ffn && pair0 + blockIdx.x == 0) {  // a shared expert: its rows are known up front
+    prefetch_row_l2(w_gate + r * row_bytes, row_bytes, lane);
+    prefetch_row_l2(w_up + r * row_bytes, row_bytes, lane);
+  }
   pdl_begin();
   if (r >= ffn) return;
   const int64_t pair = pair0 + blockIdx.x;
@@ -112,6 +116,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
   __shared__ float s_gate;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = tok0 + blockIdx.y;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
+  if (a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
+    prefetch_row_l2(a.w_down + r * a.row_bytes, a.row_bytes, lane);
   pdl_begin();
   float gate = 1.0f;
   if (gate_mode != kGateNone) {
@@ -122,7 +129,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
     __syncthreads();
     gate = s_gate;
   }
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
   if (r >= a.hidden) return;
   const bool gated = gate_mode != kGateNone;
   float* xo = x + t * a.hidden + r;

@@ -9,7 +9,8 @@
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
  * (v = dot + bias), and lane 0 rotates them as tm_rope_kv_append does (theta = pos * freq_base^(-2i/head_dim) in
  * double, cos/sin rounded to float32, a' = a c - b s, b' = a s + b c). q goes to `q`, k and v (v unrotated) to the
- * cache rows pos[0] + t; rows outside [0, max_ctx) are not written.
+ * cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp prefetches its two
+ * weight rows into L2.
  */
 #include <cmath>
 
@@ -41,15 +42,9 @@ __global__ void __launch_bounds__(kNormThreads) qkv_rope_kernel(const QkvArgs a,
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
-  pdl_begin();
-  const float* xt = a.x + t * a.hidden;
-  const float inv = block_rms_inv(xt, a.hidden, a.eps, qkv_h + a.hidden);
-  for (int64_t i = threadIdx.x; i < a.hidden; i += kNormThreads) qkv_h[i] = rms_apply(xt[i], inv, __ldg(a.norm_w + i));
-  __syncthreads();
-
   const int64_t half = a.head_dim / 2;
   int64_t rest = (b % a.blocks_per_token) * kQkvWarps + warp;
-  if (rest >= (a.n_heads + 2 * a.n_kv) * half) return;  // no barrier follows
+  const bool active = rest < (a.n_heads + 2 * a.n_kv) * half;
   int which = 0;
   if (rest >= a.n_heads * half) {
     rest -= a.n_heads * half;
@@ -62,6 +57,16 @@ __global__ void __launch_bounds__(kNormThreads) qkv_rope_kernel(const QkvArgs a,
   const int64_t head = rest / half, i = rest % half;
   const int64_t da = a.neox ? i : 2 * i, db = a.neox ? i + half : 2 * i + 1;
   const int64_t ra = head * a.head_dim + da, rb = head * a.head_dim + db;
+  if (active && t == 0) {  // weights only: before pdl_wait
+    prefetch_row_l2(a.w[which] + ra * a.row_bytes, a.row_bytes, lane);
+    prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
+  }
+  pdl_begin();
+  const float* xt = a.x + t * a.hidden;
+  const float inv = block_rms_inv(xt, a.hidden, a.eps, qkv_h + a.hidden);
+  for (int64_t k = threadIdx.x; k < a.hidden; k += kNormThreads) qkv_h[k] = rms_apply(xt[k], inv, __ldg(a.norm_w + k));
+  __syncthreads();
+  if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
