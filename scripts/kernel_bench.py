@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from tornado_moe import kernels as K
-from tornado_moe.tools.run_info import run_info  # noqa: E402  (after the kernels: same tree)
+from tornado_moe.tools.profile import copy_bandwidth_gb_s
+from tornado_moe.tools.run_info import run_info
 
 Q8_0 = 8
 H, HEADS, HD, E, TOPK, FFN, SFFN, VOCAB, CTX, POS = 2048, 16, 128, 60, 4, 1408, 5632, 151936, 4096, 143
@@ -63,13 +64,6 @@ def graph_time_us(launch: Callable[[int], None], reps: int, trials: int) -> floa
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(times)
-
-
-def copy_gb_s() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda i: dst.copy_(src), 10, 5)
-    return 2 * src.numel() / (us * 1e3)
 
 
 def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
@@ -168,7 +162,7 @@ def main() -> int:
         print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    bw = copy_gb_s()
+    bw = copy_bandwidth_gb_s(torch.device("cuda"))  # the ceiling tornado-moe profile uses
     rows = []
     only = [o for o in args.only.split(",") if o]
     for name, nbytes, build in kernels():

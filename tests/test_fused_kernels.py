@@ -1,10 +1,10 @@
-"""The fused kernels are bitwise the unfused sequences they replace, and the streaming dot product keeps its
-promises on the shapes the small kernel tests do not reach.
+"""The fused kernels are bitwise the unfused sequences they replace, and the dot product keeps its promises on
+the shapes the small kernel tests do not reach.
 
 - ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
-- rows longer than one 2048-value chunk, odd block counts and rows that are only 2-byte aligned: against the
-  float64 reference, and the same bits whatever the alignment of the weights in memory.
+- rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
+  reference, and the same bits whatever the alignment of the weights in memory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // cpu_fused.cpp - the fused kernels on the CPU: each runs the unfused CPU kernels it stands for, in order, through
 // host scratch buffers, so a fused task is bitwise its unfused sequence by construction (the CUDA kernels keep the
-// same promise by sharing the unfused kernels' arithmetic: csrc/cuda/norm.cuh and stream.cuh).
+// same promise by sharing the unfused kernels' arithmetic: csrc/cuda/norm.cuh and qdot.cuh).
 #include <vector>
 
 #include "backends.h"

@@ -8,6 +8,7 @@
  * into several launches.
  * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot + bias, y = y + v, each a
  * rounded add as in the CPU kernel. A (token, row) value is bitwise the same for any n_tokens and any chunking.
+ * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol).
  */
 #include "qdot.cuh"
 

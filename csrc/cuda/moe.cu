@@ -18,6 +18,8 @@
  *   starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused and
  *   per-slot calls agree bit for bit.
  * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs.
+ * Without ids (a shared expert or dense FFN) the rows are known before the inputs: each warp prefetches them into
+ * L2 before pdl_wait (common.cuh's protocol); routed rows depend on the router's output and are not prefetched.
  */
 #include "qdot.cuh"
 

@@ -5,11 +5,9 @@
  *   SM); each value is decoded exactly as gguf's dequantizer does (Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d + m, each a
  *   rounded product then a rounded add), so rows are bitwise equal to gguf.quants.dequantize and to the CPU
  *   kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
- * rmsnorm: one block of 256 threads per token (grid-stride over tokens). Sum of squares: thread i accumulates
- *   x[i], x[i+256], ... with fma in increasing index, then warp_sum, then warp 0 sums the 8 warp totals with
- *   warp_sum (lanes 8..31 contribute +0): a fixed tree for a given dim. y = (x * inv) * w with
- *   inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root), as the CPU kernel; every x value is read
- *   before the barrier that precedes the writes, so x and y may alias (x is therefore read with plain loads).
+ * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
+ *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
+ *   (x is therefore read with plain loads).
  */
 #include <cmath>
 

@@ -18,6 +18,9 @@
  *    scheduling, on the launch configuration chosen for a size, or on CUDA-graph capture. Elementwise
  *    accumulations `acc = acc + w * v` are evaluated as a rounded multiply then a rounded add (no FMA
  *    contraction), in the order documented below.
+ *  - CUDA launches use programmatic dependent launch (a kernel may start while its predecessor drains; it reads
+ *    nothing the predecessor writes before the dependency is resolved), which never changes a result;
+ *    TORNADO_MOE_PDL=0 in the environment turns it off.
  *  - Launch limits (CUDA): grid y/z never exceed 65535 and dynamic shared memory never exceeds the device's
  *    opt-in limit (read from the device); large problems are split into several launches or loops.
  *  - Positions: kernels that depend on the position read it from `pos` (device memory for CUDA), so that a
