@@ -155,9 +155,9 @@ int check_rmsnorm_args(const char* fn, const char* x_name, const float* x, const
   return TM_OK;
 }
 
-int check_rope_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
-                    int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                    float freq_base) {
+// q, the KV cache and the position of the attention kernels, and the sizes they share.
+int check_cache_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
+                     int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx) {
   TM_TRY(check_ptr(fn, "q", q));
   TM_TRY(check_ptr(fn, "k_cache", k_cache));
   TM_TRY(check_ptr(fn, "v_cache", v_cache));
@@ -167,12 +167,19 @@ int check_rope_args(const char* fn, const float* q, const float* k_cache, const 
   TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
   TM_TRY(check_positive(fn, "head_dim", head_dim));
   TM_TRY(check_positive(fn, "max_ctx", max_ctx));
-  if (head_dim % 2 != 0)
-    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
-                        head_dim);
   if (n_tokens > max_ctx)
     return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
                         max_ctx);
+  return TM_OK;
+}
+
+int check_rope_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
+                    int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
+                    float freq_base) {
+  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
+  if (head_dim % 2 != 0)
+    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
+                        head_dim);
   if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
     return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
   return TM_OK;
@@ -255,22 +262,11 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
                         int64_t head_dim, int64_t max_ctx, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "q", q));
-  TM_TRY(check_ptr(fn, "k_cache", k_cache));
-  TM_TRY(check_ptr(fn, "v_cache", v_cache));
   TM_TRY(check_ptr(fn, "out", out));
-  TM_TRY(check_ptr(fn, "pos", pos));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "n_heads", n_heads));
-  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
-  TM_TRY(check_positive(fn, "head_dim", head_dim));
-  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
+  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
   if (n_heads % n_kv_heads != 0)
     return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
                         n_heads, n_kv_heads);
-  if (n_tokens > max_ctx)
-    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
-                        max_ctx);
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                     max_ctx, stream);
 }

@@ -1,10 +1,11 @@
 /*
- * common.cuh - internal to csrc/cuda: error checks, launch limits, small device helpers (fp16/bf16 widening,
- * warp reductions in a fixed butterfly order). Every .cu of the CUDA backend includes it.
+ * common.cuh - internal to csrc/cuda: error checks, launch limits, the one launch path (with programmatic
+ * dependent launch) and its protocol, small device helpers (fp16/bf16 widening, warp reductions in a fixed
+ * butterfly order). Every .cu of the CUDA backend includes it.
  *
  * Error handling: every CUDA runtime call goes through TM_CUDA_TRY (which names the kernel and the call), every
- * launch is followed by TM_LAUNCH_CHECK (cudaGetLastError; with TM_DEBUG_SYNC also a stream synchronize, skipped
- * while the stream is being captured). No launcher calls anything illegal during stream capture: no
+ * launch goes through launch(), which checks it (cudaGetLastError; with TM_DEBUG_SYNC also a stream synchronize,
+ * skipped while the stream is being captured). No launcher calls anything illegal during stream capture: no
  * synchronisation, no allocation; device limits are cached on first use (tm_cuda::get_limits).
  */
 #ifndef TORNADO_MOE_CUDA_COMMON_CUH
@@ -33,12 +34,6 @@ namespace tm_cuda {
 // Checks the launch just made on `stream` (and, under TM_DEBUG_SYNC, its completion when not capturing).
 int launch_check(cudaStream_t stream, const char* kernel);
 
-#define TM_LAUNCH_CHECK(stream, kernel)                              \
-  do {                                                               \
-    const int tm_launch_rc_ = ::tm_cuda::launch_check((stream), (kernel)); \
-    if (tm_launch_rc_ != TM_OK) return tm_launch_rc_;                \
-  } while (0)
-
 #define TM_STATUS_TRY(expr)                   \
   do {                                        \
     const int tm_status_rc_ = (expr);         \
@@ -55,7 +50,6 @@ struct Limits {
   int64_t max_grid_x;   // blocks in x per launch
   int64_t max_grid_yz;  // blocks in y (and z) per launch: min(65535, device y/z limits, test cap)
   int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
-  int64_t smem_sm;      // shared memory of one multiprocessor (what co-resident blocks share)
   bool pdl;             // launch with programmatic dependent launch (TORNADO_MOE_PDL=0 turns it off)
 };
 int get_limits(Limits* out);

@@ -21,7 +21,6 @@ struct DeviceInfo {
   int sm_count = 0;
   int max_grid_x = 0, max_grid_y = 0, max_grid_z = 0;
   int64_t smem_optin = 0;
-  int64_t smem_sm = 0;
   int64_t l2_bytes = 0;
   char name[256] = {0};
 };
@@ -53,8 +52,6 @@ int device_info(int device, DeviceInfo* out) {
     info.max_grid_z = v;
     TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what);
     info.smem_optin = v;
-    TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), what);
-    info.smem_sm = v;
     TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, device), what);
     info.l2_bytes = v;
     cudaDeviceProp prop;
@@ -94,7 +91,6 @@ int get_limits(Limits* out) {
   const int64_t cap_smem = g_cap_smem.load(std::memory_order_relaxed);
   if (cap_smem > 0 && cap_smem < smem) smem = cap_smem;
   out->smem_block = smem;
-  out->smem_sm = info.smem_sm;
   // Read once per process: TORNADO_MOE_PDL=0 launches every kernel without programmatic dependent launch.
   static const bool pdl = [] {
     const char* v = std::getenv("TORNADO_MOE_PDL");

@@ -6,10 +6,9 @@
  * given, or rmsnorm(x[t]) computed with norm.cuh's tree (the bits tm_rmsnorm writes; block 0 also stores it to h).
  * The experts are processed in chunks of C experts (C a multiple of 32, as many as block 0's shared memory holds
  * within the opt-in limit and the test cap, at most 16384): the 64 warps of the cluster compute the chunk's logits
- * (warp w of block b takes experts b * 8 + w, + 64, ...; a logit is the dot product of the F32 router row with h:
- * lane l adds the 4-value groups l, l + 32, ... (single values when hidden % 4 != 0) with fma in increasing order,
- * then warp_sum) and write them into block 0's shared memory (distributed shared memory); block 0 then does the
- * rest:
+ * (warp w of block b takes experts b * 8 + w, + 64, ...; each logit is qdot.cuh's warp_dot of the F32 router row
+ * with h, the same bits whichever warp computes it) and write them into block 0's shared memory (distributed shared
+ * memory); block 0 then does the rest:
  *   pass 1: M = max logit (exact, order-free);
  *   pass 2: Z = sum of exp(logit - M): 32-expert groups (absolute expert ids 32g .. 32g + 31) summed with
  *           warp_sum, group sums added one after the other in increasing g by one thread;
@@ -28,6 +27,7 @@
 #include <cmath>
 
 #include "norm.cuh"
+#include "qdot.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -113,31 +113,6 @@ __device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int&
   __syncthreads();  // scratch reused by the next call
 }
 
-// The logit of router row w (hidden values) with h in shared memory (order above; V: 16-byte weight loads).
-template <bool X4, bool V>
-__device__ __forceinline__ float router_logit(const float* __restrict__ w, const float* hs, int64_t hidden) {
-  const int lane = threadIdx.x & 31;
-  float acc = 0.0f;
-  if constexpr (X4) {
-    for (int64_t g = lane; 4 * g < hidden; g += 32) {
-      float4 wv;
-      if constexpr (V) {
-        wv = __ldg(reinterpret_cast<const float4*>(w) + g);
-      } else {
-        wv = make_float4(__ldg(w + 4 * g), __ldg(w + 4 * g + 1), __ldg(w + 4 * g + 2), __ldg(w + 4 * g + 3));
-      }
-      const float4 hv = *reinterpret_cast<const float4*>(hs + 4 * g);
-      acc = __fmaf_rn(wv.x, hv.x, acc);
-      acc = __fmaf_rn(wv.y, hv.y, acc);
-      acc = __fmaf_rn(wv.z, hv.z, acc);
-      acc = __fmaf_rn(wv.w, hv.w, acc);
-    }
-  } else {
-    for (int64_t i = lane; i < hidden; i += 32) acc = __fmaf_rn(__ldg(w + i), hs[i], acc);
-  }
-  return warp_sum(acc);
-}
-
 // x == nullptr: h is the input; otherwise h = rmsnorm(x, norm_w, eps) is computed here and stored to h.
 template <bool X4, bool V>
 __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads, 1)
@@ -178,7 +153,13 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Logits of chunk c into block 0's buffer (every block of the cluster takes part).
-  auto logit_of = [&](int64_t e) { return router_logit<X4, V>(w_router + e * hidden, s.hbuf, hidden); };
+  auto logit_of = [&](int64_t e) {
+    const uint8_t* wr[1] = {reinterpret_cast<const uint8_t*>(w_router + e * hidden)};
+    const float* xs[1] = {s.hbuf};
+    float logit[1][1];
+    warp_dot<X4 ? Fmt::F32X4 : Fmt::F32, 1, 1, true, V>(wr, xs, X4 ? hidden / 4 : hidden, logit);
+    return logit[0][0];
+  };
   auto compute_chunk = [&](int64_t c, bool first_call) {
     const int64_t e0 = c * chunk;
     const int64_t n = n_experts - e0 < chunk ? n_experts - e0 : chunk;
