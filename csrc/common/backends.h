@@ -15,6 +15,13 @@ extern "C" {
 /* Records a printf-style message for tm_last_error() and returns `status`. */
 int tm_set_error(int status, const char* fmt, ...);
 
+/* Evaluates a tm_status expression and returns it from the calling function when it is not TM_OK. */
+#define TM_TRY(expr)                                  \
+  do {                                                \
+    const int tm_try_status_ = (expr);                \
+    if (tm_try_status_ != TM_OK) return tm_try_status_; \
+  } while (0)
+
 #define TM_BACKEND_KERNELS(PREFIX)                                                                            \
   int PREFIX##embedding(int qtype, const void* table, const int32_t* ids, float* out, int64_t n_tokens,        \
                         int64_t vocab, int64_t dim, void* stream);                                             \

@@ -60,14 +60,69 @@ int check_slots(const char* fn, int64_t top_k, int64_t slot_begin, int64_t slot_
                       fn, slot_begin, slot_begin + slot_count, top_k);
 }
 
-}  // namespace
+// The checks of the unfused kernels, shared with the fused ones that stand for them (argument names as in the
+// header; the fused kernels name their own arguments).
+int check_rmsnorm_args(const char* fn, const char* x_name, const float* x, const char* w_name, const float* w,
+                       const char* y_name, const float* y, int64_t n_tokens, const char* dim_name, int64_t dim,
+                       float eps) {
+  TM_TRY(check_ptr(fn, x_name, x));
+  TM_TRY(check_ptr(fn, w_name, w));
+  TM_TRY(check_ptr(fn, y_name, y));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, dim_name, dim));
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
+  return TM_OK;
+}
 
-// Runs each check in order and returns the first failure.
-#define TM_TRY(expr)                  \
-  do {                                \
-    int tm_try_status_ = (expr);      \
-    if (tm_try_status_ != TM_OK) return tm_try_status_; \
-  } while (0)
+// q, the KV cache and the position of the attention kernels, and the sizes they share.
+int check_cache_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
+                     int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx) {
+  TM_TRY(check_ptr(fn, "q", q));
+  TM_TRY(check_ptr(fn, "k_cache", k_cache));
+  TM_TRY(check_ptr(fn, "v_cache", v_cache));
+  TM_TRY(check_ptr(fn, "pos", pos));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_heads", n_heads));
+  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
+  TM_TRY(check_positive(fn, "head_dim", head_dim));
+  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
+  if (n_tokens > max_ctx)
+    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
+                        max_ctx);
+  return TM_OK;
+}
+
+int check_rope_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
+                    int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
+                    float freq_base) {
+  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
+  if (head_dim % 2 != 0)
+    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
+                        head_dim);
+  if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
+    return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
+  return TM_OK;
+}
+
+int check_router_args(const char* fn, const float* w_router, const char* h_name, const float* h, const int32_t* ids,
+                      const float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k) {
+  TM_TRY(check_ptr(fn, "w_router", w_router));
+  TM_TRY(check_ptr(fn, h_name, h));
+  TM_TRY(check_ptr(fn, "ids", ids));
+  TM_TRY(check_ptr(fn, "weights", weights));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  if (top_k > n_experts)
+    return tm_set_error(kInvalid, "%s: top_k = %" PRId64 " exceeds n_experts = %" PRId64, fn, top_k, n_experts);
+  if (n_experts > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: n_experts = %" PRId64 " does not fit the int32 expert ids", fn, n_experts);
+  return TM_OK;
+}
+
+}  // namespace
 
 #define TM_FORWARD(kernel, device, ...)                                                              \
   ((device) == TM_DEVICE_CPU ? tm_cpu_##kernel(__VA_ARGS__) : tm_cuda_##kernel(__VA_ARGS__))
@@ -138,70 +193,6 @@ TM_API int tm_embedding(tm_device device, int qtype, const void* table, const in
   TM_TRY(check_row_length(fn, "dim", qtype, dim));
   return TM_FORWARD(embedding, device, qtype, table, ids, out, n_tokens, vocab, dim, stream);
 }
-
-namespace {
-// The checks of the unfused kernels, shared with the fused ones that stand for them (argument names as in the
-// header; the fused kernels name their own arguments).
-int check_rmsnorm_args(const char* fn, const char* x_name, const float* x, const char* w_name, const float* w,
-                       const char* y_name, const float* y, int64_t n_tokens, const char* dim_name, int64_t dim,
-                       float eps) {
-  TM_TRY(check_ptr(fn, x_name, x));
-  TM_TRY(check_ptr(fn, w_name, w));
-  TM_TRY(check_ptr(fn, y_name, y));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, dim_name, dim));
-  if (!(eps >= 0.0f) || !std::isfinite(eps))
-    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
-  return TM_OK;
-}
-
-// q, the KV cache and the position of the attention kernels, and the sizes they share.
-int check_cache_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
-                     int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx) {
-  TM_TRY(check_ptr(fn, "q", q));
-  TM_TRY(check_ptr(fn, "k_cache", k_cache));
-  TM_TRY(check_ptr(fn, "v_cache", v_cache));
-  TM_TRY(check_ptr(fn, "pos", pos));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "n_heads", n_heads));
-  TM_TRY(check_positive(fn, "n_kv_heads", n_kv_heads));
-  TM_TRY(check_positive(fn, "head_dim", head_dim));
-  TM_TRY(check_positive(fn, "max_ctx", max_ctx));
-  if (n_tokens > max_ctx)
-    return tm_set_error(kInvalid, "%s: n_tokens = %" PRId64 " does not fit in max_ctx = %" PRId64, fn, n_tokens,
-                        max_ctx);
-  return TM_OK;
-}
-
-int check_rope_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, const int32_t* pos,
-                    int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                    float freq_base) {
-  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
-  if (head_dim % 2 != 0)
-    return tm_set_error(kInvalid, "%s: argument 'head_dim' = %" PRId64 " must be even (RoPE rotates pairs)", fn,
-                        head_dim);
-  if (!(freq_base > 0.0f) || !std::isfinite(freq_base))
-    return tm_set_error(kInvalid, "%s: argument 'freq_base' must be finite and > 0, got %g", fn, (double)freq_base);
-  return TM_OK;
-}
-
-int check_router_args(const char* fn, const float* w_router, const char* h_name, const float* h, const int32_t* ids,
-                      const float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k) {
-  TM_TRY(check_ptr(fn, "w_router", w_router));
-  TM_TRY(check_ptr(fn, h_name, h));
-  TM_TRY(check_ptr(fn, "ids", ids));
-  TM_TRY(check_ptr(fn, "weights", weights));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "n_experts", n_experts));
-  TM_TRY(check_positive(fn, "hidden", hidden));
-  TM_TRY(check_positive(fn, "top_k", top_k));
-  if (top_k > n_experts)
-    return tm_set_error(kInvalid, "%s: top_k = %" PRId64 " exceeds n_experts = %" PRId64, fn, top_k, n_experts);
-  if (n_experts > INT32_MAX)
-    return tm_set_error(kInvalid, "%s: n_experts = %" PRId64 " does not fit the int32 expert ids", fn, n_experts);
-  return TM_OK;
-}
-}  // namespace
 
 TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim,
                       float eps, void* stream) {

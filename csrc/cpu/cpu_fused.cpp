@@ -5,12 +5,6 @@
 
 #include "backends.h"
 
-#define TM_CPU_TRY(expr)                 \
-  do {                                   \
-    const int tm_cpu_rc_ = (expr);       \
-    if (tm_cpu_rc_ != TM_OK) return tm_cpu_rc_; \
-  } while (0)
-
 extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
                                const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,
                                float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,
@@ -19,10 +13,10 @@ extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* norm_w, f
   const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
   std::vector<float> h(static_cast<size_t>(n_tokens * hidden));
   std::vector<float> k(static_cast<size_t>(n_tokens * kv_rows)), v(static_cast<size_t>(n_tokens * kv_rows));
-  TM_CPU_TRY(tm_cpu_rmsnorm(x, norm_w, h.data(), n_tokens, hidden, eps, stream));
-  TM_CPU_TRY(tm_cpu_matmul(qtype, w_q, h.data(), b_q, q, n_tokens, q_rows, hidden, 0, stream));
-  TM_CPU_TRY(tm_cpu_matmul(qtype, w_k, h.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, stream));
-  TM_CPU_TRY(tm_cpu_matmul(qtype, w_v, h.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, stream));
+  TM_TRY(tm_cpu_rmsnorm(x, norm_w, h.data(), n_tokens, hidden, eps, stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_q, h.data(), b_q, q, n_tokens, q_rows, hidden, 0, stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_k, h.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_v, h.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, stream));
   return tm_cpu_rope_kv_append(q, k.data(), v.data(), k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                                max_ctx, freq_base, neox, stream);
 }
@@ -31,6 +25,6 @@ extern "C" int tm_cpu_rmsnorm_router_topk(const float* x, const float* norm_w, f
                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
                                           void* stream) {
-  TM_CPU_TRY(tm_cpu_rmsnorm(x, norm_w, h, n_tokens, hidden, eps, stream));
+  TM_TRY(tm_cpu_rmsnorm(x, norm_w, h, n_tokens, hidden, eps, stream));
   return tm_cpu_router_topk(w_router, h, ids, weights, n_tokens, n_experts, hidden, top_k, normalize, stream);
 }

@@ -3,9 +3,9 @@
  *
  * rope_kv_append: a grid-stride loop (256 threads a block) over T * (n_heads + n_kv_heads) * head_dim/2 rotation
  *   items (one thread rotates one pair of one q or k head) followed by T * n_kv_heads * head_dim v copies.
- *   theta_i = pos * freq_base^(-2i/head_dim) and its cos/sin are evaluated in double and rounded to float32, the
- *   rotation a' = a c - b s, b' = a s + b c in float32 (rounded products, rounded add), as the CPU kernel. pos is
- *   read from device memory; a cache row outside [0, max_ctx) is not written (the device cannot report it).
+ *   The rotation is rope.cuh's (theta in double, cos/sin rounded to float32, rounded products and adds, as the CPU
+ *   kernel). pos is read from device memory; a cache row outside [0, max_ctx) is not written (the device cannot
+ *   report it).
  * attention: one thread-block cluster of 8 blocks x 4 warps per (token, head) (grid x = 8 * T * n_heads; pairs
  *   beyond max_grid_x / 8 go to further launches). The context 0 .. pos[0] + t (clamped to max_ctx) is cut into
  *   tiles of 32 positions; the 32 warps of the cluster are the workers g = rank * 4 + warp, and worker g handles
@@ -25,7 +25,7 @@
 
 #include <cmath>
 
-#include "common.cuh"
+#include "rope.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -53,25 +53,22 @@ __global__ void __launch_bounds__(256)
       const int64_t hh = rest % heads;
       const int64_t t = rest / heads;
       const int64_t p = p0 + t;
-      const double theta = static_cast<double>(p) *
-                           pow(static_cast<double>(freq_base), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-      double sd, cd;
-      sincos(theta, &sd, &cd);
-      const float c = static_cast<float>(cd), s = static_cast<float>(sd);
       const int64_t ia = neox ? i : 2 * i;
       const int64_t ib = neox ? i + half : 2 * i + 1;
       if (hh < n_heads) {
         float* qh = q + (t * n_heads + hh) * head_dim;
-        const float a = __ldcg(qh + ia), b = __ldcg(qh + ib);  // in place: read around L1 (see common.cuh)
-        qh[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        qh[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        float a = __ldcg(qh + ia), b = __ldcg(qh + ib);  // in place: read around L1 (see common.cuh)
+        rope_rotate(p, i, head_dim, freq_base, a, b);
+        qh[ia] = a;
+        qh[ib] = b;
       } else if (p >= 0 && p < max_ctx) {
         const int64_t kh = hh - n_heads;
         const float* src = k + (t * n_kv + kh) * head_dim;
         float* dst = k_cache + (p * n_kv + kh) * head_dim;
-        const float a = src[ia], b = src[ib];
-        dst[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        dst[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        float a = src[ia], b = src[ib];
+        rope_rotate(p, i, head_dim, freq_base, a, b);
+        dst[ia] = a;
+        dst[ib] = b;
       }
     } else {
       const int64_t j = idx - n_rot;
@@ -311,13 +308,13 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
                         "tm_attention: head_dim = %lld needs %lld bytes of shared memory per block, above the limit %lld",
                         static_cast<long long>(head_dim), static_cast<long long>(smem),
                         static_cast<long long>(lim.smem_block));
-  TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&attention_kernel<DPL>), smem, "tm_attention"));
+  TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&attention_kernel<DPL>), smem, "tm_attention"));
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));  // as the CPU kernel
   const int64_t n_pairs = n_tokens * n_heads;
   const int64_t max_pairs = lim.max_grid_x / kAttCluster;
   for (int64_t p0 = 0; p0 < n_pairs; p0 += max_pairs) {
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
-    TM_STATUS_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttCluster)),
+    TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttCluster)),
                          dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads,
                          n_kv, head_dim, max_ctx, scale, p0));
   }
@@ -333,13 +330,13 @@ extern "C" int tm_cuda_rope_kv_append(float* q, const float* k, const float* v, 
                                       const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
                                       int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream) {
   const char* fn = "tm_rope_kv_append";
-  TM_STATUS_TRY(check_f32_alignment(fn, "q", q));
-  TM_STATUS_TRY(check_f32_alignment(fn, "k", k));
-  TM_STATUS_TRY(check_f32_alignment(fn, "v", v));
-  TM_STATUS_TRY(check_f32_alignment(fn, "k_cache", k_cache));
-  TM_STATUS_TRY(check_f32_alignment(fn, "v_cache", v_cache));
+  TM_TRY(check_f32_alignment(fn, "q", q));
+  TM_TRY(check_f32_alignment(fn, "k", k));
+  TM_TRY(check_f32_alignment(fn, "v", v));
+  TM_TRY(check_f32_alignment(fn, "k_cache", k_cache));
+  TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const int64_t total = n_tokens * (n_heads + n_kv_heads) * (head_dim / 2) + n_tokens * n_kv_heads * head_dim;
   int64_t blocks = ceil_div(total, 256);
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 8;
@@ -352,12 +349,12 @@ extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const flo
                                  const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
                                  int64_t head_dim, int64_t max_ctx, void* stream) {
   const char* fn = "tm_attention";
-  TM_STATUS_TRY(check_f32_alignment(fn, "q", q));
-  TM_STATUS_TRY(check_f32_alignment(fn, "k_cache", k_cache));
-  TM_STATUS_TRY(check_f32_alignment(fn, "v_cache", v_cache));
-  TM_STATUS_TRY(check_f32_alignment(fn, "out", out));
+  TM_TRY(check_f32_alignment(fn, "q", q));
+  TM_TRY(check_f32_alignment(fn, "k_cache", k_cache));
+  TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
+  TM_TRY(check_f32_alignment(fn, "out", out));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
   if (head_dim <= 32) return launch_attention<1>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
   if (head_dim <= 64) return launch_attention<2>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);

@@ -34,12 +34,6 @@ namespace tm_cuda {
 // Checks the launch just made on `stream` (and, under TM_DEBUG_SYNC, its completion when not capturing).
 int launch_check(cudaStream_t stream, const char* kernel);
 
-#define TM_STATUS_TRY(expr)                   \
-  do {                                        \
-    const int tm_status_rc_ = (expr);         \
-    if (tm_status_rc_ != TM_OK) return tm_status_rc_; \
-  } while (0)
-
 // ---- launch limits ----------------------------------------------------------------------------------------
 
 // The limits the launchers plan with: the current device's values (cached per device on first use), lowered by

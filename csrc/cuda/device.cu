@@ -77,7 +77,7 @@ int get_limits(Limits* out) {
   int device = 0;
   TM_CUDA_TRY(cudaGetDevice(&device), "tm_cuda launch limits");
   DeviceInfo info;
-  TM_STATUS_TRY(device_info(device, &info));
+  TM_TRY(device_info(device, &info));
   out->device = device;
   out->sm_count = info.sm_count;
   out->max_grid_x = info.max_grid_x;
@@ -183,7 +183,7 @@ int tm_cuda_device_props_impl(tm_device_props* out) {
   int device = 0;
   TM_CUDA_TRY(cudaGetDevice(&device), "tm_cuda_device_props");
   DeviceInfo info;
-  TM_STATUS_TRY(device_info(device, &info));
+  TM_TRY(device_info(device, &info));
   std::memset(out, 0, sizeof(*out));
   out->sm_count = info.sm_count;
   out->max_grid_y = info.max_grid_y;
@@ -245,7 +245,7 @@ int tm_cuda_stream_synchronize_impl(void* stream) {
 
 int tm_cuda_advance_position(int32_t* pos, int32_t delta, void* stream) {
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   return launch(lim, "tm_advance_position", advance_position_kernel, dim3(1), dim3(1), 0, as_stream(stream), pos,
                 delta);
 }

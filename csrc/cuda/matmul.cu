@@ -67,7 +67,7 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
                         static_cast<long long>(rows));
   for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
     const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
-    TM_STATUS_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V>,
+    TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V>,
                          dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kWarpsPerBlock * 32), 0, s,
                          w, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, y0));
   }
@@ -82,12 +82,12 @@ using namespace tm_cuda;
 extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,
                               int64_t rows, int64_t cols, int accumulate, void* stream) {
   const char* fn = "tm_matmul";
-  TM_STATUS_TRY(check_weight_alignment(fn, "w", qtype, w));
-  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
-  TM_STATUS_TRY(check_f32_alignment(fn, "bias", bias));
-  TM_STATUS_TRY(check_f32_alignment(fn, "y", y));
+  TM_TRY(check_weight_alignment(fn, "w", qtype, w));
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "bias", bias));
+  TM_TRY(check_f32_alignment(fn, "y", y));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, cols);
   const int64_t nblocks = cols / fmt_vals(f);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, cols);

@@ -155,12 +155,12 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
                                    float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
                                    int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   const char* fn = "tm_moe_gate_up";
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
-  TM_STATUS_TRY(check_f32_alignment(fn, "h", h));
-  TM_STATUS_TRY(check_f32_alignment(fn, "act", act));
+  TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
+  TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
+  TM_TRY(check_f32_alignment(fn, "h", h));
+  TM_TRY(check_f32_alignment(fn, "act", act));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, hidden);
@@ -175,7 +175,7 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
         const int64_t gy = n_tiles - y0 < lim.max_grid_yz ? n_tiles - y0 : lim.max_grid_yz;
-        TM_STATUS_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>,
+        TM_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>,
                              dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kRowsPerBlock * 32), 0,
                              s, static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), h, ids, act,
                              top_k, slot_begin, slot_count, n_experts, ffn, hidden, row_bytes, nblocks, p0, y0));
@@ -190,14 +190,14 @@ extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const 
                                            int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
                                            int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
   const char* fn = "tm_moe_down_accumulate";
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_down", qtype, w_down));
-  TM_STATUS_TRY(check_f32_alignment(fn, "act", act));
-  TM_STATUS_TRY(check_f32_alignment(fn, "weights", weights));
-  TM_STATUS_TRY(check_f32_alignment(fn, "gate_inp", gate_inp));
-  TM_STATUS_TRY(check_f32_alignment(fn, "h", h));
-  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_weight_alignment(fn, "w_down", qtype, w_down));
+  TM_TRY(check_f32_alignment(fn, "act", act));
+  TM_TRY(check_f32_alignment(fn, "weights", weights));
+  TM_TRY(check_f32_alignment(fn, "gate_inp", gate_inp));
+  TM_TRY(check_f32_alignment(fn, "h", h));
+  TM_TRY(check_f32_alignment(fn, "x", x));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, ffn);
   DownArgs a;
   a.w_down = static_cast<const uint8_t*>(w_down);
@@ -228,7 +228,7 @@ extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const 
     constexpr bool V = decltype(vtag)::value;
     for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
       const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-      TM_STATUS_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
                            dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
     }
     return TM_OK;

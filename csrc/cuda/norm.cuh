@@ -7,7 +7,7 @@
  * x[i], x[i + 256], ... as ss = fma(v, v, ss) in increasing index; each warp sums its 32 threads with warp_sum;
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
- * block_rms_inv evaluates it with a block of 256 threads, warp_rms_inv with one warp playing all 256 threads.
+ * block_rms_inv evaluates it with a block of 256 threads.
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
 #define TORNADO_MOE_CUDA_NORM_CUH
@@ -47,34 +47,6 @@ __device__ __forceinline__ float block_rms_inv(const float* x, int64_t dim, floa
   const float inv = scratch[kNormWarps];
   __syncthreads();  // scratch may be reused by the caller
   return inv;
-}
-
-// The same value computed by one warp (every lane returns it): lane l plays threads l, l + 32, ..., l + 224. The
-// row is read in rounds of 2048 values (64 independent loads per lane in flight), each value added to the sum of
-// its thread in increasing index, as in the block version.
-__device__ __forceinline__ float warp_rms_inv(const float* x, int64_t dim, float eps) {
-  const int lane = threadIdx.x & 31;
-  float ss[kNormWarps];
-#pragma unroll
-  for (int w = 0; w < kNormWarps; ++w) ss[w] = 0.0f;
-  for (int64_t base = 0; base < dim; base += 64 * 32) {
-    float v[64];
-#pragma unroll
-    for (int m = 0; m < 64; ++m) {
-      const int64_t i = base + 32 * m + lane;
-      v[m] = i < dim ? x[i] : 0.0f;
-    }
-#pragma unroll
-    for (int m = 0; m < 64; ++m)  // value i belongs to thread i % 256, i.e. warp (i / 32) % 8
-      if (base + 32 * m + lane < dim) ss[m % kNormWarps] = __fmaf_rn(v[m], v[m], ss[m % kNormWarps]);
-  }
-  float total = 0.0f;  // lane w < kNormWarps ends with warp w's sum, the other lanes with +0
-#pragma unroll
-  for (int w = 0; w < kNormWarps; ++w) {
-    const float t = warp_sum(ss[w]);
-    if (lane == w) total = t;
-  }
-  return rms_inv_from_sum(warp_sum(total), dim, eps);
 }
 
 }  // namespace tm_cuda

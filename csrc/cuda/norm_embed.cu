@@ -82,10 +82,10 @@ using namespace tm_cuda;
 extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* ids, float* out, int64_t n_tokens,
                                  int64_t vocab, int64_t dim, void* stream) {
   const char* fn = "tm_embedding";
-  TM_STATUS_TRY(check_weight_alignment(fn, "table", qtype, table));
-  TM_STATUS_TRY(check_f32_alignment(fn, "out", out));
+  TM_TRY(check_weight_alignment(fn, "table", qtype, table));
+  TM_TRY(check_f32_alignment(fn, "out", out));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   int64_t blocks = ceil_div(n_tokens * dim, 256);
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 16;
   if (blocks > max_blocks) blocks = max_blocks;
@@ -96,11 +96,11 @@ extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* id
 extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,
                                void* stream) {
   const char* fn = "tm_rmsnorm";
-  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
-  TM_STATUS_TRY(check_f32_alignment(fn, "w", w));
-  TM_STATUS_TRY(check_f32_alignment(fn, "y", y));
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "w", w));
+  TM_TRY(check_f32_alignment(fn, "y", y));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   int64_t blocks = n_tokens;
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 32;
   if (blocks > max_blocks) blocks = max_blocks;

@@ -7,15 +7,13 @@
  * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes);
  * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
- * (v = dot + bias), and lane 0 rotates them as tm_rope_kv_append does (theta = pos * freq_base^(-2i/head_dim) in
- * double, cos/sin rounded to float32, a' = a c - b s, b' = a s + b c). q goes to `q`, k and v (v unrotated) to the
- * cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp prefetches its two
- * weight rows into L2.
+ * (v = dot + bias), and lane 0 rotates them with rope.cuh's rope_rotate, as tm_rope_kv_append does. q goes to `q`,
+ * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
+ * each warp prefetches its two weight rows into L2.
  */
-#include <cmath>
-
 #include "norm.cuh"
 #include "qdot.cuh"
+#include "rope.cuh"
 
 namespace tm_cuda {
 namespace {
@@ -78,16 +76,7 @@ __global__ void __launch_bounds__(kNormThreads) qkv_rope_kernel(const QkvArgs a,
     vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
   }
   const int64_t p = static_cast<int64_t>(a.pos[0]) + t;
-  if (which < 2) {
-    const double theta = static_cast<double>(p) * pow(static_cast<double>(a.freq_base),
-                                                      -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
-    double sd, cd;
-    sincos(theta, &sd, &cd);
-    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
-    const float a2 = __fsub_rn(__fmul_rn(va, c), __fmul_rn(vb, s));
-    vb = __fadd_rn(__fmul_rn(va, s), __fmul_rn(vb, c));
-    va = a2;
-  }
+  if (which < 2) rope_rotate(p, i, a.head_dim, a.freq_base, va, vb);
   float* dst;
   if (which == 0) {
     dst = a.q + (t * a.n_heads + head) * a.head_dim;
@@ -110,19 +99,19 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
                                 int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
                                 float freq_base, int neox, void* stream) {
   const char* fn = "tm_qkv_rope";
-  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
-  TM_STATUS_TRY(check_f32_alignment(fn, "norm_w", norm_w));
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_q", qtype, w_q));
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_k", qtype, w_k));
-  TM_STATUS_TRY(check_weight_alignment(fn, "w_v", qtype, w_v));
-  TM_STATUS_TRY(check_f32_alignment(fn, "b_q", b_q));
-  TM_STATUS_TRY(check_f32_alignment(fn, "b_k", b_k));
-  TM_STATUS_TRY(check_f32_alignment(fn, "b_v", b_v));
-  TM_STATUS_TRY(check_f32_alignment(fn, "q", q));
-  TM_STATUS_TRY(check_f32_alignment(fn, "k_cache", k_cache));
-  TM_STATUS_TRY(check_f32_alignment(fn, "v_cache", v_cache));
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "norm_w", norm_w));
+  TM_TRY(check_weight_alignment(fn, "w_q", qtype, w_q));
+  TM_TRY(check_weight_alignment(fn, "w_k", qtype, w_k));
+  TM_TRY(check_weight_alignment(fn, "w_v", qtype, w_v));
+  TM_TRY(check_f32_alignment(fn, "b_q", b_q));
+  TM_TRY(check_f32_alignment(fn, "b_k", b_k));
+  TM_TRY(check_f32_alignment(fn, "b_v", b_v));
+  TM_TRY(check_f32_alignment(fn, "q", q));
+  TM_TRY(check_f32_alignment(fn, "k_cache", k_cache));
+  TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const int64_t smem = (hidden + kNormWarps + 1) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
@@ -160,10 +149,10 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&qkv_rope_kernel<F, V>), smem, fn));
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&qkv_rope_kernel<F, V>), smem, fn));
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
-      TM_STATUS_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
+      TM_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
                            static_cast<size_t>(smem), s, a, b0));
     }
     return TM_OK;

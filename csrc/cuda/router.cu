@@ -315,11 +315,11 @@ int launch_router(const Limits& lim, cudaStream_t st, const char* fn, const floa
                         "limit %lld",
                         fn, static_cast<long long>(top_k), static_cast<long long>(hidden),
                         static_cast<long long>(smem), static_cast<long long>(lim.smem_block));
-  TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_kernel<X4, V>), smem, fn));
+  TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_kernel<X4, V>), smem, fn));
   const int64_t max_tokens = lim.max_grid_x / kRtCluster;
   for (int64_t t0 = 0; t0 < n_tokens; t0 += max_tokens) {
     const int64_t nt = n_tokens - t0 < max_tokens ? n_tokens - t0 : max_tokens;
-    TM_STATUS_TRY(launch(lim, fn, router_kernel<X4, V>, dim3(static_cast<unsigned>(nt * kRtCluster)),
+    TM_TRY(launch(lim, fn, router_kernel<X4, V>, dim3(static_cast<unsigned>(nt * kRtCluster)),
                          dim3(kRtThreads), static_cast<size_t>(smem), st, x, norm_w, eps, h, w_router, ids, weights,
                          n_experts, hidden, top_k, normalize, chunk, t0));
   }
@@ -329,13 +329,13 @@ int launch_router(const Limits& lim, cudaStream_t st, const char* fn, const floa
 int router_entry(const char* fn, const float* x, const float* norm_w, float eps, float* h, const float* w_router,
                  int32_t* ids, float* weights, int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
                  int normalize, void* stream) {
-  TM_STATUS_TRY(check_f32_alignment(fn, "x", x));
-  TM_STATUS_TRY(check_f32_alignment(fn, "norm_w", norm_w));
-  TM_STATUS_TRY(check_f32_alignment(fn, "w_router", w_router));
-  TM_STATUS_TRY(check_f32_alignment(fn, "h", h));
-  TM_STATUS_TRY(check_f32_alignment(fn, "weights", weights));
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "norm_w", norm_w));
+  TM_TRY(check_f32_alignment(fn, "w_router", w_router));
+  TM_TRY(check_f32_alignment(fn, "h", h));
+  TM_TRY(check_f32_alignment(fn, "weights", weights));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   const cudaStream_t st = as_stream(stream);
   if (hidden % 4 != 0)
     return launch_router<false, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,

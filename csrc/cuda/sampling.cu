@@ -429,9 +429,9 @@ using namespace tm_cuda;
 
 extern "C" int tm_cuda_argmax(const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab, void* stream) {
   const char* fn = "tm_argmax";
-  TM_STATUS_TRY(check_f32_alignment(fn, "logits", logits));
+  TM_TRY(check_f32_alignment(fn, "logits", logits));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   int64_t blocks = n_tokens;
   const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 4;
   if (blocks > max_blocks) blocks = max_blocks;
@@ -442,16 +442,16 @@ extern "C" int tm_cuda_argmax(const float* logits, int32_t* out, int64_t n_token
 extern "C" int tm_cuda_sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,
                               int64_t top_k, uint64_t seed, const int32_t* step, void* stream) {
   const char* fn = "tm_sample";
-  TM_STATUS_TRY(check_f32_alignment(fn, "logits", logits));
+  TM_TRY(check_f32_alignment(fn, "logits", logits));
   Limits lim;
-  TM_STATUS_TRY(get_limits(&lim));
+  TM_TRY(get_limits(&lim));
   int64_t cap = kSmMaxCap;
   while (cap > 1 && sample_smem_bytes(cap) > lim.smem_block) cap >>= 1;
   const int64_t smem = sample_smem_bytes(cap);
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: needs %lld bytes of shared memory per block, above the limit %lld",
                         fn, static_cast<long long>(smem), static_cast<long long>(lim.smem_block));
-  TM_STATUS_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&sample_kernel), smem, fn));
+  TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&sample_kernel), smem, fn));
   return launch(lim, fn, sample_kernel, dim3(kSmCluster), dim3(kSmThreads), static_cast<size_t>(smem),
                 as_stream(stream), logits, out, vocab, temperature, top_p, top_k, seed, step, cap);
 }

@@ -105,8 +105,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     wo = _w(L, "attn_output")
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
 
-    if cfg.n_experts:
-        E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
+    E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
+    if E:
         g.task("router_topk", "rmsnorm_router_topk", act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h,
                _f32(L, "ffn_gate_inp"), act.expert_ids, act.expert_weights, T, E, H, k, cfg.normalize_topk)
     else:
@@ -125,7 +125,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         downs.append((f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
                       _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
-    if cfg.n_experts:
+    if E:
         wg, wu, wd = _w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"), _w(L, "ffn_down_exps")
         qt = _same_format(wg, wu)
         # (gate-up task, down task, first slot, slot count): one launch each over all slots, or one per slot
