@@ -41,8 +41,11 @@ if want build; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 fi
 
-[ -f "$MODEL" ] || { $CLI synth --preset qwen1.5-moe-a2.7b -o "$MODEL" --threads 16 --no-progress > "$OUT/synth.log" 2>&1 & }
-SYNTH=$!
+SYNTH=""
+if [ ! -f "$MODEL" ]; then
+  $CLI synth --preset qwen1.5-moe-a2.7b -o "$MODEL" --threads 16 --no-progress > "$OUT/synth.log" 2>&1 &
+  SYNTH=$!
+fi
 
 if want tests; then
   stamp "GPU tests"
@@ -50,7 +53,7 @@ if want tests; then
     --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
 fi
-wait $SYNTH 2>/dev/null; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
+[ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 
 if want kernels; then
   stamp "kernel microbenchmarks (this tree with and without PDL, baseline)"
