@@ -5,7 +5,9 @@ Every kernel is launched `reps` times inside one CUDA graph (as a decode step la
 replayed; a launch's time is the replay time / reps (median of `--trials` replays). Weights rotate over enough
 copies (or, for routed experts, over different experts) that no launch finds its weights in the 60 MB L2, as
 in decode. Works with any tree of the package on PYTHONPATH (the baseline commit too): kernels a tree lacks
-are skipped. Prints a table; --json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl, kernels}.
+are skipped. --layout tiled times the Q8_0 weight kernels on rows re-laid out as TM_Q8_0_TILED (what the
+engine uploads on CUDA). Prints a table; --json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl,
+layout, kernels}.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tornado_moe.tools.profile import copy_bandwidth_gb_s
 from tornado_moe.tools.run_info import run_info
 
 Q8_0 = 8
+QT = Q8_0  # the qtype the weight kernels get (--layout)
 H, HEADS, HD, E, TOPK, FFN, SFFN, VOCAB, CTX, POS = 2048, 16, 128, 60, 4, 1408, 5632, 151936, 4096, 143
 POOL_BYTES = 160 << 20  # weight copies per kernel: at least this many bytes, well past L2
 
@@ -37,7 +40,12 @@ def q8_0(rows: int, cols: int, copies: int = 1) -> torch.Tensor:
     blocks[..., :2] = scale.view(torch.uint8).view(copies * rows, nb, 2)
     blocks[..., 2:] = torch.randint(-128, 128, (copies * rows, nb, 32), dtype=torch.int8, device="cuda").view(
         torch.uint8)
-    return blocks.view(copies, rows * nb * 34)
+    w = blocks.view(copies, rows * nb * 34)
+    if QT != Q8_0:
+        from tornado_moe.quant.tiled import tile_q8_0
+
+        w = tile_q8_0(w, cols)
+    return w
 
 
 def copies_for(nbytes: int) -> int:
@@ -84,7 +92,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         nbytes = rows * cols // 32 * 34
         def build() -> Callable[[int], None]:
             w = q8_0(rows, cols, copies_for(nbytes))
-            return lambda i: K.matmul(Q8_0, w[i % w.shape[0]], xin, None, y, 1, rows, cols, acc)
+            return lambda i: K.matmul(QT, w[i % w.shape[0]], xin, None, y, 1, rows, cols, acc)
         out.append((name, nbytes, build))
 
     if hasattr(K, "qkv_rope"):
@@ -92,7 +100,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
             n = copies_for(3 * H * rb)
             wq, wk, wv = q8_0(H, H, n), q8_0(H, H, n), q8_0(H, H, n)
             b = torch.randn(H, **f32)
-            return lambda i: K.qkv_rope(Q8_0, x, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
+            return lambda i: K.qkv_rope(QT, x, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
                                         k_cache, v_cache, pos, 1, H, HEADS, HEADS, HD, CTX, 1e6, True)
         out.append(("attn_qkv (qkv_rope)", 3 * H * rb, qkv))
     matmul("attn_q (one of q/k/v)", H, H, h, q, False)
@@ -119,7 +127,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
     def shared_gate_up() -> Callable[[int], None]:
         n = copies_for(2 * SFFN * rb)
         wg, wu = q8_0(SFFN, H, n), q8_0(SFFN, H, n)
-        return lambda i: K.moe_gate_up(Q8_0, wg[i % n], wu[i % n], h, None, act_sh, 1, 1, 0, 1, 1, SFFN, H)
+        return lambda i: K.moe_gate_up(QT, wg[i % n], wu[i % n], h, None, act_sh, 1, 1, 0, 1, 1, SFFN, H)
     out.append(("shared_expert_gate_up", 2 * SFFN * rb, shared_gate_up))
 
     # Routed experts: each launch picks 4 distinct experts of 60 (rotating), so weights come from DRAM.
@@ -128,20 +136,20 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
 
     def routed_gate_up() -> Callable[[int], None]:
         wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
-        return lambda i: K.moe_gate_up(Q8_0, wg, wu, h, ids_rot[i % 64], act, 1, TOPK, 0, TOPK, E, FFN, H)
+        return lambda i: K.moe_gate_up(QT, wg, wu, h, ids_rot[i % 64], act, 1, TOPK, 0, TOPK, E, FFN, H)
     out.append(("routed_experts_gate_up (4 of 60)", 2 * TOPK * FFN * rb, routed_gate_up))
 
     def shared_down() -> Callable[[int], None]:
         nbytes = H * SFFN // 32 * 34
         n = copies_for(nbytes)
         wd = q8_0(H, SFFN, n)
-        return lambda i: K.moe_down_accumulate(Q8_0, wd[i % n], act_sh, None, None, gate_inp, h, x, 1, 1, 0,
+        return lambda i: K.moe_down_accumulate(QT, wd[i % n], act_sh, None, None, gate_inp, h, x, 1, 1, 0,
                                                1, 1, H, SFFN)
     out.append(("shared_expert_down (+residual)", H * SFFN // 32 * 34, shared_down))
 
     def routed_down() -> Callable[[int], None]:
         wd = q8_0(E * H, FFN)[0]
-        return lambda i: K.moe_down_accumulate(Q8_0, wd, act, ids_rot[i % 64], wts, None, None, x, 1, TOPK, 0,
+        return lambda i: K.moe_down_accumulate(QT, wd, act, ids_rot[i % 64], wts, None, None, x, 1, TOPK, 0,
                                                TOPK, E, H, FFN)
     out.append(("routed_experts_down (4 of 60)", TOPK * H * FFN // 32 * 34, routed_down))
 
@@ -156,8 +164,16 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=7, help="graph replays, median reported (default: 7)")
     ap.add_argument("--label", default="", help="a name for this tree in the report (e.g. baseline)")
     ap.add_argument("--only", default="", help="comma list: only kernels whose name contains one")
+    ap.add_argument("--layout", choices=("gguf", "tiled"), default="gguf",
+                    help="Q8_0 rows as stored in GGUF, or re-laid out as TM_Q8_0_TILED "
+                         "(default: %(default)s)")
     ap.add_argument("--json", help="write the report as JSON")
     args = ap.parse_args()
+    global QT
+    if args.layout == "tiled":
+        from tornado_moe.quant.tiled import Q8_0_TILED
+
+        QT = Q8_0_TILED
     if not torch.cuda.is_available():
         print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -174,14 +190,15 @@ def main() -> int:
                      "fraction_of_copy_bandwidth": round(gbs / bw, 3)})
         torch.cuda.empty_cache()
     pdl = os.environ.get("TORNADO_MOE_PDL", "1") != "0"
-    print(f"{args.label or 'tree'}: copy bandwidth {bw:.0f} GB/s, PDL {'on' if pdl else 'off'}")
+    print(f"{args.label or 'tree'}: copy bandwidth {bw:.0f} GB/s, PDL {'on' if pdl else 'off'}, "
+          f"{args.layout} rows")
     print(f"{'kernel':36s} {'us':>8s} {'MB':>8s} {'GB/s':>8s} {'% copy':>7s}")
     for r in rows:
         print(f"{r['kernel']:36s} {r['us']:8.2f} {r['weight_bytes'] / 1e6:8.2f} {r['gb_s']:8.1f} "
               f"{100 * r['fraction_of_copy_bandwidth']:7.1f}")
     if args.json:
         report = run_info(sys.argv[1:], "cuda", label=args.label, copy_gb_s=round(bw, 1), pdl=pdl,
-                          reps=args.reps, trials=args.trials, kernels=rows)
+                          layout=args.layout, reps=args.reps, trials=args.trials, kernels=rows)
         report["command"] = " ".join(["python3", "scripts/kernel_bench.py", *sys.argv[1:]])
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -131,3 +131,22 @@ def test_profiler_counts_agree_with_declared_launches(tiny, fuse: bool, cuda_gra
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     assert len(kernels) == steps * eng.launches_per_token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_tiled_weights_are_bitwise_the_gguf_layout(tiny, cuda_graphs: bool) -> None:
+    """The tiny model's Q8_0 matrices (rows of 128 and 256 values) are all tiled on CUDA; same bits."""
+    from tornado_moe.quant.tiled import Q8_0_TILED
+
+    tiled = Engine(tiny, EngineOptions(device="cuda", cuda_graphs=cuda_graphs))
+    gguf_layout = Engine(tiny, EngineOptions(device="cuda", cuda_graphs=cuda_graphs, tile_weights=False))
+    q8 = [k for k, w in gguf_layout.weights.layers[0].items() if w is not None and w.qtype == 8]
+    assert len(q8) >= 7  # attention q, k, v, o and the expert matrices
+    assert all(tiled.weights.layers[0][k].qtype == Q8_0_TILED for k in q8)
+    assert (tiled.weights.output.qtype, gguf_layout.weights.output.qtype) == (Q8_0_TILED, 8)
+    a, b = _logits_trace(tiled, PROMPT), _logits_trace(gguf_layout, PROMPT)
+    assert a[0] == b[0]
+    assert a[1].tobytes() == b[1].tobytes()
+    assert a[2].tobytes() == b[2].tobytes()

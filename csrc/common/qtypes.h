@@ -13,7 +13,7 @@
 /* 1 when the kernels support weight format `qtype` (a tm_qtype value). */
 static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
   switch (qtype) {
-    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q8_0: case TM_BF16: return 1;
+    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q8_0: case TM_BF16: case TM_Q8_0_TILED: return 1;
     default: return 0;
   }
 }
@@ -23,6 +23,7 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_block_size(int qtype) {
   switch (qtype) {
     case TM_F32: case TM_F16: case TM_BF16: return 1;
     case TM_Q4_0: case TM_Q4_1: case TM_Q8_0: return 32;
+    case TM_Q8_0_TILED: return 128;  /* a row is whole steps of 4 Q8_0 blocks */
     default: return 0;
   }
 }
@@ -35,6 +36,7 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_block_bytes(int qtype) {
     case TM_Q4_0: return 2 + 16;
     case TM_Q4_1: return 2 + 2 + 16;
     case TM_Q8_0: return 2 + 32;
+    case TM_Q8_0_TILED: return 4 * (2 + 32);
     default: return 0;
   }
 }
@@ -43,6 +45,22 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_block_bytes(int qtype) {
 static inline TM_HOST_DEVICE int64_t tm_qtype_row_bytes(int qtype, int64_t cols) {
   int64_t bs = tm_qtype_block_size(qtype);
   return bs > 0 ? cols / bs * tm_qtype_block_bytes(qtype) : 0;
+}
+
+/* TM_Q8_0_TILED (layout in tornado_moe.h): byte offsets, inside a row of `cols` values, of the int8 code of
+ * value c and of the fp16 scale of block b. */
+static inline TM_HOST_DEVICE int64_t tm_q8t_group_width(int64_t cols, int64_t group) {
+  const int64_t steps = cols / 128;
+  return group < steps / 4 ? 4 : steps % 4;
+}
+static inline TM_HOST_DEVICE int64_t tm_q8t_code_offset(int64_t cols, int64_t c) {
+  const int64_t b = c / 32, i = c % 32, s = b / 4, g = s / 4, u = s % 4;
+  const int64_t lane = 8 * (b % 4) + i / 4;
+  return 512 * g + 4 * (tm_q8t_group_width(cols, g) * lane + u) + i % 4;
+}
+static inline TM_HOST_DEVICE int64_t tm_q8t_scale_offset(int64_t cols, int64_t b) {
+  const int64_t s = b / 4, g = s / 4, u = s % 4;
+  return cols + 32 * g + 2 * (tm_q8t_group_width(cols, g) * (b % 4) + u);
 }
 
 /* GGML name of any type id (for error messages), "unknown" outside the GGML enum. */
@@ -56,10 +74,11 @@ static inline const char* tm_ggml_type_name(int qtype) {
     case 22: return "IQ2_S";   case 23: return "IQ4_XS";  case 24: return "I8";      case 25: return "I16";
     case 26: return "I32";     case 27: return "I64";     case 28: return "F64";     case 29: return "IQ1_M";
     case 30: return "BF16";    case 34: return "TQ1_0";   case 35: return "TQ2_0";   case 39: return "MXFP4";
+    case TM_Q8_0_TILED: return "Q8_0_TILED";
     default: return "unknown";
   }
 }
 
-#define TM_SUPPORTED_QTYPES_TEXT "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30)"
+#define TM_SUPPORTED_QTYPES_TEXT "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q8_0 (8), BF16 (30), Q8_0_TILED (264)"
 
 #endif

@@ -1,6 +1,6 @@
 /*
  * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q8_0) into float32 for the CPU
- * kernels. Every value is produced exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact;
+ * kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact;
  * Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d + m, each a rounded float32 product then a rounded add), so a decoded row is
  * bitwise equal to gguf.quants.dequantize of the same bytes.
  */
@@ -70,7 +70,8 @@ inline void decode_q4_1_block(const uint8_t* blk, float* out) {
   for (int i = 0; i < 16; ++i) out[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
 }
 
-// Decodes the first `n` values of a row (n a multiple of the block size; qtype supported) into out[0, n).
+// Decodes the first `n` values of a row (n a multiple of the block size; qtype supported) into out[0, n); for
+// TM_Q8_0_TILED, whose layout depends on the row length, n must be the whole row.
 inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
   switch (qtype) {
     case TM_F32:
@@ -90,6 +91,15 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
       break;
     case TM_Q4_1:
       for (int64_t b = 0; b < n / 32; ++b) decode_q4_1_block(row + 20 * b, out + 32 * b);
+      break;
+    case TM_Q8_0_TILED:  // the Q8_0 values at their tiled places (qtypes.h); n is the whole row
+      for (int64_t b = 0; b < n / 32; ++b) {
+        const float d = fp16_to_f32(load_u16(row + tm_q8t_scale_offset(n, b)));
+        for (int64_t i = 0; i < 32; ++i) {
+          const int8_t q = static_cast<int8_t>(row[tm_q8t_code_offset(n, 32 * b + i)]);
+          out[32 * b + i] = static_cast<float>(q) * d;
+        }
+      }
       break;
     default:
       break;  // unreachable: the dispatcher rejects unsupported formats

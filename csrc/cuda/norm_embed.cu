@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
-__device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int64_t c) {
+// Value c of a row of `cols` values.
+__device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int64_t cols, int64_t c) {
   switch (qtype) {
     case TM_F32:
       return __ldg(reinterpret_cast<const float*>(row) + c);
@@ -41,6 +42,11 @@ __device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int
       const uint8_t* blk = row + (c / 32) * 34;
       const float d = fp16_bits_to_f32(ldg_u16(blk));
       const int q = static_cast<int8_t>(__ldg(blk + 2 + c % 32));
+      return __fmul_rn(static_cast<float>(q), d);
+    }
+    case TM_Q8_0_TILED: {
+      const float d = fp16_bits_to_f32(ldg_u16(row + tm_q8t_scale_offset(cols, c / 32)));
+      const int q = static_cast<int8_t>(__ldg(row + tm_q8t_code_offset(cols, c)));
       return __fmul_rn(static_cast<float>(q), d);
     }
     case TM_Q4_0: {
@@ -70,7 +76,7 @@ __global__ void __launch_bounds__(256)
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / dim, c = i % dim;
     const int64_t id = ids[t];
-    out[i] = (id < 0 || id >= vocab) ? __int_as_float(0x7fc00000) : decode_value(qtype, table + id * row_bytes, c);
+    out[i] = (id < 0 || id >= vocab) ? __int_as_float(0x7fc00000) : decode_value(qtype, table + id * row_bytes, dim, c);
   }
 }
 

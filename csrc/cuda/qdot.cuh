@@ -15,7 +15,8 @@
  *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
  *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
  *
- * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned), fp16/bf16/f32
+ * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned; Q8_0 rows
+ * re-laid out as TM_Q8_0_TILED are read with 8-byte loads, see warp_dot_q8t), fp16/bf16/f32
  * rows in the x4 layouts as 8/16-byte vectors when the pointers allow (template flag V; same arithmetic either
  * way), activations as float4 when 16-byte aligned (V) else as four floats, with plain loads (they may come from
  * the previous kernel of the stream, or from shared memory). Weight loads of U steps are issued
@@ -31,7 +32,8 @@
 namespace tm_cuda {
 
 // The row layouts of the dot product (see above). X4 layouts are chosen by the row length alone.
-enum class Fmt : int { Q8_0, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+// Q8_0T is TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout.
+enum class Fmt : int { Q8_0, Q8_0T, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
 // output, or live in shared memory).
@@ -280,16 +282,116 @@ struct FmtTraits<Fmt::F32X4> {
   }
 };
 
-// Warp dot products of NR weight rows with activations, NT tokens at once.
-//   SX (shared x): every row is multiplied with the same NT activation vectors x[0..NT) (matmul token tiles,
-//                  gate+up pairs); otherwise NT must be 1 and row r is multiplied with its own x[r] (the slots of
-//                  a down projection).
-//   w[r]     : start of row r (kBytes-sized blocks); x[.]: start of the activation row (float32, row length
-//              nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same on all lanes.
+template <class T>
+__device__ __forceinline__ T ldg_vec(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const T*>(p));
+}
+
+// warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
+// the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
+// the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
+// bytes as two 8-byte words and its lane group's 4 scales as one (3 loads instead of 12 16-bit ones), and the whole
+// batch of kGroups groups (a 2048-value row for NR <= 2) is in flight before the first use.
+template <int NR, int NT, bool SX, bool V>
+__device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+                                             int64_t nblocks, float (&out)[NR][NT]) {
+  using T = FmtTraits<Fmt::Q8_0>;
+  constexpr int kFit = 48 / (6 * NR);  // 6 registers per group and row in flight
+  constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
+  const int lane = threadIdx.x & 31, sub = lane >> 3, part = lane & 7;
+  const int64_t nsteps = nblocks / 4, ngroups = nsteps / 4;
+  const int tail = static_cast<int>(nsteps % 4);
+  const int64_t scales = nblocks * 32;  // byte offset of the scale area in a row
+
+  float acc[NR][NT];
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+  // Step s of the row with lane words q[r] and scales d[r]: Q8_0's step, operand for operand.
+  auto step = [&](int64_t s, const uint32_t (&q)[NR], const uint32_t (&d)[NR]) {
+    const int64_t blk = s * 4 + sub;
+    if constexpr (SX) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * 32, part);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(typename T::Frag{q[r], d[r]}, xf, acc[r][t]);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * 32, part);
+        acc[r][0] = T::dot(typename T::Frag{q[r], d[r]}, xf, acc[r][0]);
+      }
+    }
+  };
+
+  int64_t g0 = 0;
+  do {
+    // A batch: kGroups full groups (past the last one a lane re-reads it: valid memory, never used) and, in the
+    // last batch, the tail group of `tail` < 4 steps, all loaded before the first use.
+    uint2 c[kGroups][NR][2], sc[kGroups][NR];
+    if (ngroups > 0) {
+#pragma unroll
+      for (int v = 0; v < kGroups; ++v) {
+        const int64_t g = g0 + v < ngroups ? g0 + v : ngroups - 1;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* code = w[r] + g * 512 + 16 * lane;
+          c[v][r][0] = ldg_vec<uint2>(code);
+          c[v][r][1] = ldg_vec<uint2>(code + 8);
+          sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
+        }
+      }
+    }
+    const bool last = g0 + kGroups >= ngroups;
+    uint32_t tq[3][NR], td[3][NR];
+    if (last && tail > 0) {
+#pragma unroll
+      for (int u = 0; u < 3; ++u) {
+        const int uu = u < tail ? u : tail - 1;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          tq[u][r] = ldg_vec<uint32_t>(w[r] + ngroups * 512 + 4 * (tail * lane + uu));
+          td[u][r] = ldg_u16(w[r] + scales + ngroups * 32 + 2 * (tail * sub + uu));
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kGroups; ++v) {
+      if (g0 + v < ngroups) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint32_t q[NR], d[NR];
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            const uint2 cw = c[v][r][u >> 1];
+            q[r] = (u & 1) ? cw.y : cw.x;
+            const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+            d[r] = (u & 1) ? sw >> 16 : sw & 0xFFFFu;
+          }
+          step((g0 + v) * 4 + u, q, d);
+        }
+      }
+    }
+    if (last && tail > 0) {
+#pragma unroll
+      for (int u = 0; u < 3; ++u)
+        if (u < tail) step(ngroups * 4 + u, tq[u], td[u]);
+    }
+    g0 += kGroups;
+  } while (g0 < ngroups);
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
+}
+
+// warp_dot (below) for every layout but Q8_0T: rows read block by block.
 template <Fmt F, int NR, int NT, bool SX, bool V>
-__device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                         int64_t nblocks, float (&out)[NR][NT]) {
-  static_assert(SX || NT == 1, "per-row activations take one token");
+__device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+                                                int64_t nblocks, float (&out)[NR][NT]) {
   using T = FmtTraits<F>;
   constexpr int kBlocksPerStep = 32 / T::kLanes;
   // Steps whose weight loads are issued together: a budget of about 48 loaded registers per lane for shared
@@ -378,6 +480,22 @@ __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const fl
     for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
 }
 
+// Warp dot products of NR weight rows with activations, NT tokens at once.
+//   SX (shared x): every row is multiplied with the same NT activation vectors x[0..NT) (matmul token tiles,
+//                  gate+up pairs); otherwise NT must be 1 and row r is multiplied with its own x[r] (the slots of
+//                  a down projection).
+//   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32, row length
+//              nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same on all lanes.
+template <Fmt F, int NR, int NT, bool SX, bool V>
+__device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+                                         int64_t nblocks, float (&out)[NR][NT]) {
+  static_assert(SX || NT == 1, "per-row activations take one token");
+  if constexpr (F == Fmt::Q8_0T)
+    warp_dot_q8t<NR, NT, SX, V>(w, x, nblocks, out);
+  else
+    warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
+}
+
 // ---- host side: choosing the layout -------------------------------------------------------------------------
 
 // The row layout of `qtype` for rows of `cols` values (depends on the shape only, so results never depend on
@@ -386,6 +504,7 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
   const bool quad = cols % 4 == 0;
   switch (qtype) {
     case TM_Q8_0: return Fmt::Q8_0;
+    case TM_Q8_0_TILED: return Fmt::Q8_0T;
     case TM_Q4_0: return Fmt::Q4_0;
     case TM_Q4_1: return Fmt::Q4_1;
     case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
@@ -397,7 +516,7 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
 // Values per block of a layout (the row length in blocks is cols / fmt_vals).
 inline int64_t fmt_vals(Fmt f) {
   switch (f) {
-    case Fmt::Q8_0: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
+    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
     case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
     default: return 1;
   }
@@ -424,6 +543,8 @@ template <class Fn>
 inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
   switch (f) {
     case Fmt::Q8_0: return v ? fn(FmtTag<Fmt::Q8_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0>{}, std::false_type{});
+    case Fmt::Q8_0T:
+      return v ? fn(FmtTag<Fmt::Q8_0T>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T>{}, std::false_type{});
     case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
     case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
     case Fmt::F16X4:

@@ -52,7 +52,16 @@ typedef enum tm_qtype {
   TM_Q4_0 = 2,  /* 32 values: fp16 d, 16 bytes of nibbles (low nibbles = values 0..15, high = 16..31); v = (q-8)*d */
   TM_Q4_1 = 3,  /* 32 values: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; v = q*d + m */
   TM_Q8_0 = 8,  /* 32 values: fp16 d, 32 int8; v = q*d */
-  TM_BF16 = 30  /* bfloat16 */
+  TM_BF16 = 30, /* bfloat16 */
+  /* Not a GGML type: Q8_0 rows re-laid out so that the GPU reads them with 8-byte loads (tornado_moe.quant.tiled
+   * writes it). Same values, same bytes per row (34 per 32 values); rows of a multiple of 128 values, 8-byte
+   * aligned on CUDA. A row of n values has nb = n/32 blocks and S = n/128 "steps" of 4 blocks; in step s, lane
+   * l = 8 * (b % 4) + i / 4 of 32 owns the 4 codes i..i+3 (i % 4 == 0) of block b = 4s + l / 8. Steps form groups
+   * of 4 (the last group holds the S % 4 remaining ones); in group g of w steps, lane l's code word of step
+   * 4g + u is at byte 512g + 4(w*l + u) (+ i % 4 for the single code), and the fp16 scale of block b of that
+   * step at byte 32*nb + 32g + 2(w*(b % 4) + u). qtypes.h's tm_q8t_code_offset / tm_q8t_scale_offset compute
+   * them. */
+  TM_Q8_0_TILED = 264
 } tm_qtype;
 
 typedef enum tm_status {

@@ -92,6 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--per-slot", action="store_true",
                    help="unfused routed experts: two launches per routed slot and layer instead of two per "
                         "layer (bitwise identical results; for comparisons)")
+    x.add_argument("--gguf-layout", action="store_true",
+                   help="keep Q8_0 weights in the file's block layout on CUDA instead of re-laying them out "
+                        "for the GPU's loads at upload (bitwise identical results, slower; for comparisons)")
     x.add_argument("--max-context", type=positive_int, metavar="N",
                    help="KV-cache length in tokens (default: min(model context, 4096)); prompt plus answer "
                         "must fit")
@@ -167,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)
     opts = EngineOptions(device=args.device, route=args.route, fuse_experts=not args.per_slot,
+                         tile_weights=not args.gguf_layout,
                          cuda_graphs=args.cuda_graphs, profiler=profiler, max_context=args.max_context,
                          sampler=sampler, progress=args.verbose_init)
     t1 = time.perf_counter()
@@ -371,4 +375,4 @@ def _variant_name(engine: Engine) -> str:
     from tornado_moe.tools.variants import Variant
 
     o = engine.options
-    return Variant(o.fuse_experts, o.cuda_graphs, o.route).name
+    return Variant(o.fuse_experts, o.cuda_graphs, o.route, o.tile_weights).name

@@ -18,8 +18,9 @@ from tornado_moe.cli.common import (
 )
 
 EPILOG = """\
-variants: a comma list from fused,per-slot,eager,graphs,torch,java; both values of a pair make it an axis,
-one value fixes it, an axis not named keeps the default (fused, graphs on CUDA / eager on CPU, torch).
+variants: a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout; both values of a
+pair make it an axis, one value fixes it, an axis not named keeps the default (fused, graphs on CUDA / eager
+on CPU, torch, tiled Q8_0 weights on CUDA).
 Default: fused,per-slot on CPU; fused,per-slot,eager,graphs on CUDA.
 
 exit status: 0 when declared and measured launch counts agree for every variant, 1 when they do not,

@@ -14,6 +14,7 @@ import torch
 
 from tornado_moe.model.config import ModelConfig
 from tornado_moe.model.gguf_model import GGUFModel, QTensor
+from tornado_moe.quant.tiled import Q8_0_TILED, can_tile, tile_q8_0
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,13 @@ def _to_device(raw: np.ndarray, device: torch.device) -> torch.Tensor:
     return shared.to(device) if device.type != "cpu" else shared.clone()
 
 
-def upload(t: QTensor, device: torch.device) -> DeviceWeight:
+def upload(t: QTensor, device: torch.device, tile: bool = False) -> DeviceWeight:
+    """``t`` on ``device``; with ``tile`` (CUDA only), a Q8_0 matrix whose rows allow it tiled."""
     raw = np.ascontiguousarray(t.data).reshape(-1)
-    return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), _to_device(raw, device))
+    data = _to_device(raw, device)
+    if tile and device.type == "cuda" and len(t.shape) >= 2 and can_tile(t.qtype, t.shape[-1]):
+        return DeviceWeight(t.name, Q8_0_TILED, tuple(t.shape), tile_q8_0(data, t.shape[-1]))
+    return DeviceWeight(t.name, int(t.qtype), tuple(t.shape), data)
 
 
 class Activations:
@@ -77,9 +82,14 @@ class Activations:
 
 
 class DeviceModel:
-    """All weights of a GGUF model uploaded once, grouped per layer with the loader's short names."""
+    """All weights of a GGUF model uploaded once, grouped per layer with the loader's short names.
 
-    def __init__(self, model: GGUFModel, device: torch.device, progress: bool = False) -> None:
+    ``tile`` re-lays Q8_0 matrices out for the GPU's loads (tornado_moe.quant.tiled; CUDA only): the same
+    results, bit for bit, faster.
+    """
+
+    def __init__(self, model: GGUFModel, device: torch.device, progress: bool = False,
+                 tile: bool = False) -> None:
         from tqdm import tqdm
 
         self.config = model.config
@@ -87,9 +97,9 @@ class DeviceModel:
         self.layers: list[dict[str, DeviceWeight | None]] = []
         it = range(self.config.n_layers)
         for i in tqdm(it, desc="upload weights", unit="layer", disable=not progress):
-            self.layers.append({key: None if t is None else upload(t, device)
+            self.layers.append({key: None if t is None else upload(t, device, tile)
                                 for key, t in model.layer(i).items()})
-        self.token_embd = upload(model.tensor("token_embd.weight"), device)
+        self.token_embd = upload(model.tensor("token_embd.weight"), device, tile)
         self.output_norm = upload(model.tensor("output_norm.weight"), device)
         out = model.get("output.weight")
-        self.output = upload(out, device) if out is not None else self.token_embd
+        self.output = upload(out, device, tile) if out is not None else self.token_embd

@@ -38,6 +38,8 @@ class EngineOptions:
     route: str = "torch"
     fuse_experts: bool = True
     cuda_graphs: bool = False
+    # Q8_0 weights in the tiled layout on CUDA (tornado_moe.quant.tiled): bitwise the same results, faster.
+    tile_weights: bool = True
     profiler: bool = False
     max_context: int | None = None  # default: min(model context, 4096)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -82,7 +84,7 @@ class Engine:
         if opts.cuda_graphs and self.device.type != "cuda":
             raise DeviceError("CUDA graphs need --device cuda")
         self.max_context = min(opts.max_context or 4096, cfg.context_length)
-        self.weights = DeviceModel(model, self.device, progress=opts.progress)
+        self.weights = DeviceModel(model, self.device, progress=opts.progress, tile=opts.tile_weights)
         self.act = Activations(cfg, self.device, max_tokens=1, max_context=self.max_context)
         self.graphs: list[ImmutableTaskGraph] = [embedding_graph(self.weights, self.act, 1)]
         self.graphs += [layer_graph(self.weights, self.act, i, 1, fuse_experts=opts.fuse_experts)

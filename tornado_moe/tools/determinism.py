@@ -15,6 +15,7 @@ execution mode (a CUDA-graph replay) and does not reproduce eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ def _hidden_trace(model: Any, variant: Variant, device: str, sampler: Any, max_c
                   fed: Sequence[int]) -> tuple[list[list[str]], list[int], list[str]]:
     """Eager, task by task: per position, the digest after every graph (residual stream x after the
     embedding and each layer graph, the logits row after the logits graph), and the chosen next tokens."""
-    eager = Variant(variant.fuse_experts, cuda_graphs=False, route=variant.route)
+    eager = dataclasses.replace(variant, cuda_graphs=False)
     with variant_engine(model, eager, device, sampler=sampler, max_context=max_context) as engine:
         names = [g.name for g in engine.plan.graphs]
         last = len(names) - 1

@@ -1,10 +1,10 @@
-"""Engine variants compared by the tools: expert fusion x execution (eager / CUDA graph) x route.
+"""Engine variants compared by the tools: expert fusion x execution (eager / CUDA graph) x route x weights.
 
 Every variant must produce bitwise identical tokens and logits (the determinism contract), and the tools
 measure what each one costs. A comma list such as ``fused,per-slot,graphs`` selects them: naming both
-values of a pair (fused/per-slot, eager/graphs, torch/java) makes that pair an axis of the comparison;
-naming one value fixes the axis to it; an axis not named keeps the device's default. The variants are the
-product of the axes, in a fixed order.
+values of a pair (fused/per-slot, eager/graphs, torch/java, tiled/gguf-layout weights) makes that pair an
+axis of the comparison; naming one value fixes the axis to it; an axis not named keeps the device's
+default. The variants are the product of the axes, in a fixed order.
 """
 
 from __future__ import annotations
@@ -31,22 +31,26 @@ AXES: dict[str, tuple[str, str]] = {
     "experts": ("fused", "per-slot"),
     "execution": ("eager", "graphs"),
     "route": ("torch", "java"),
+    "weights": ("tiled", "gguf-layout"),
 }
 VARIANT_NAMES: tuple[str, ...] = tuple(v for pair in AXES.values() for v in pair)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of running the same model: the three choices an EngineOptions takes."""
+    """One way of running the same model: the four choices an EngineOptions takes."""
 
     fuse_experts: bool = True
     cuda_graphs: bool = False
     route: str = "torch"
+    tile_weights: bool = True
 
     @property
     def name(self) -> str:
-        """E.g. ``fused/graphs/torch``: stable, used as the key in every report."""
-        return "/".join((self.experts, "graphs" if self.cuda_graphs else "eager", self.route))
+        """E.g. ``fused/graphs/torch``: stable, used as the key in every report. The default tiled weights
+        are not named; ``/gguf-layout`` marks Q8_0 weights read in the file's layout on CUDA."""
+        name = "/".join((self.experts, "graphs" if self.cuda_graphs else "eager", self.route))
+        return name if self.tile_weights else name + "/gguf-layout"
 
     @property
     def experts(self) -> str:
@@ -54,14 +58,14 @@ class Variant:
 
     def as_dict(self) -> dict[str, object]:
         return {"variant": self.name, "fuse_experts": self.fuse_experts, "cuda_graphs": self.cuda_graphs,
-                "route": self.route}
+                "route": self.route, "tile_weights": self.tile_weights}
 
     def engine_options(self, device: str, **kw: Any) -> EngineOptions:
         """EngineOptions for this variant on ``device``; ``kw`` sets the other fields (sampler, ...)."""
         from tornado_moe.engine import EngineOptions
 
         return EngineOptions(device=device, route=self.route, fuse_experts=self.fuse_experts,
-                             cuda_graphs=self.cuda_graphs, **kw)
+                             cuda_graphs=self.cuda_graphs, tile_weights=self.tile_weights, **kw)
 
 
 def default_variant(device: torch.device) -> Variant:
@@ -78,15 +82,15 @@ def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--com
         raise InputError(f"{flag}: unknown variant {', '.join(map(repr, unknown))} "
                          f"(choose from {', '.join(VARIANT_NAMES)})")
     defaults = {"experts": base.experts, "execution": "graphs" if base.cuda_graphs else "eager",
-                "route": base.route}
+                "route": base.route, "weights": "tiled"}
     values: list[list[str]] = []
     for axis, pair in AXES.items():
         chosen = [v for v in pair if v in names]
         values.append(chosen or [defaults[axis]])
     if "graphs" in values[1] and device.type != "cuda":
         raise InputError(f"{flag}: 'graphs' (CUDA graphs) needs --device cuda; this run is on {device.type}")
-    return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r)
-            for e, x, r in itertools.product(*values)]
+    return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r, tile_weights=w == "tiled")
+            for e, x, r, w in itertools.product(*values)]
 
 
 def free_device_memory() -> None:
