@@ -56,23 +56,24 @@ fi
 [ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 
 if want kernels; then
-  stamp "kernel microbenchmarks (this tree with and without PDL, baseline)"
-  timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
-  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new-no-pdl \
-    --json "$OUT/kernels_no_pdl.json" | tee "$OUT/kernels_no_pdl.log"
+  stamp "kernel microbenchmarks (this tree: tiled and GGUF-layout Q8_0 rows; baseline)"
+  for layout in tiled gguf; do
+    timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "new-$layout" --layout $layout ${KB_ARGS:-} \
+      --json "$OUT/kernels_$layout.json" | tee "$OUT/kernels_$layout.log"
+  done
   if want baseline && [ -d .baseline/tornado_moe/_native ]; then
     PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \
-      $PY scripts/kernel_bench.py --label baseline --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
+      $PY scripts/kernel_bench.py --label baseline ${KB_ARGS:-} --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
   fi
 fi
 if want ncu; then
-  stamp "ncu (streaming kernels, PDL off)"
-  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:stream_kernel \
+  stamp "ncu (PDL off)"
+  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:${NCU_KERNELS:-_kernel} \
     --launch-skip ${NCU_SKIP:-0} -c ${NCU_COUNT:-15} --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats ${NCU_SECTIONS:-} \
-    $PY scripts/kernel_bench.py --reps 1 --trials 1 \
+    $PY scripts/kernel_bench.py --reps 1 --trials 1 --layout ${NCU_LAYOUT:-tiled} \
     --only ${NCU_ONLY:-attn_qkv,attn_output,shared_expert_gate_up,routed_experts_down,output} > "$OUT/ncu.txt" 2>&1
-  grep -E "stream_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles" \
+  grep -E "_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles" \
     "$OUT/ncu.txt" | head -60
 fi
 
@@ -91,9 +92,9 @@ if want baseline && [ -d .baseline ]; then
   tail -7 "$OUT/bench_baseline.log"
 fi
 if want determinism; then
-  stamp "determinism (torch: fused/per-slot x eager/graphs)"
-  timeout -k 10 "$(left 100)" $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
-    --compare fused,per-slot,eager,graphs,torch --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
+  stamp "determinism (torch: ${DET_COMPARE:=fused,per-slot,eager,graphs,torch,tiled,gguf-layout})"
+  timeout -k 10 "$(left 150)" $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
+    --compare "$DET_COMPARE" --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
   echo "exit $?"; tail -8 "$OUT/determinism.log"
   stamp "determinism (torch vs java)"
   timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \

@@ -290,7 +290,7 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
 // the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
 // the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
-// bytes as two 8-byte words and its lane group's 4 scales as one (3 loads instead of 12 16-bit ones), and the whole
+// bytes as two 8-byte words and its lane group's 4 scales as one (3 loads instead of 12 16-bit ones), and a whole
 // batch of kGroups groups (a 2048-value row for NR <= 2) is in flight before the first use.
 template <int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
@@ -327,15 +327,15 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
     }
   };
 
-  int64_t g0 = 0;
-  do {
-    // A batch: kGroups full groups (past the last one a lane re-reads it: valid memory, never used) and, in the
-    // last batch, the tail group of `tail` < 4 steps, all loaded before the first use.
+  // Batches of kGroups groups, the tail group (tail < 4 steps, if any) counted as one more: all loads of a batch
+  // are issued before the first use. A tail group fills the same registers (the first `tail` words).
+  const int64_t ngroups_all = ngroups + (tail > 0 ? 1 : 0);
+  for (int64_t g0 = 0; g0 < ngroups_all; g0 += kGroups) {
     uint2 c[kGroups][NR][2], sc[kGroups][NR];
-    if (ngroups > 0) {
 #pragma unroll
-      for (int v = 0; v < kGroups; ++v) {
-        const int64_t g = g0 + v < ngroups ? g0 + v : ngroups - 1;
+    for (int v = 0; v < kGroups; ++v) {
+      const int64_t g = g0 + v;
+      if (g < ngroups) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           const uint8_t* code = w[r] + g * 512 + 16 * lane;
@@ -343,26 +343,30 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
           c[v][r][1] = ldg_vec<uint2>(code + 8);
           sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
         }
-      }
-    }
-    const bool last = g0 + kGroups >= ngroups;
-    uint32_t tq[3][NR], td[3][NR];
-    if (last && tail > 0) {
-#pragma unroll
-      for (int u = 0; u < 3; ++u) {
-        const int uu = u < tail ? u : tail - 1;
+      } else if (g == ngroups && tail > 0) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          tq[u][r] = ldg_vec<uint32_t>(w[r] + ngroups * 512 + 4 * (tail * lane + uu));
-          td[u][r] = ldg_u16(w[r] + scales + ngroups * 32 + 2 * (tail * sub + uu));
+          uint32_t q[3] = {0, 0, 0}, d[3] = {0, 0, 0};
+#pragma unroll
+          for (int u = 0; u < 3; ++u) {
+            if (u < tail) {
+              q[u] = ldg_vec<uint32_t>(w[r] + g * 512 + 4 * (tail * lane + u));
+              d[u] = ldg_u16(w[r] + scales + g * 32 + 2 * (tail * sub + u));
+            }
+          }
+          c[v][r][0] = make_uint2(q[0], q[1]);
+          c[v][r][1] = make_uint2(q[2], 0u);
+          sc[v][r] = make_uint2(d[0] | (d[1] << 16), d[2]);
         }
       }
     }
 #pragma unroll
     for (int v = 0; v < kGroups; ++v) {
-      if (g0 + v < ngroups) {
+      const int64_t g = g0 + v;
+      const int width = g < ngroups ? 4 : (g == ngroups ? tail : 0);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < 4; ++u) {
+        if (u < width) {
           uint32_t q[NR], d[NR];
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
@@ -371,17 +375,11 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
             const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
             d[r] = (u & 1) ? sw >> 16 : sw & 0xFFFFu;
           }
-          step((g0 + v) * 4 + u, q, d);
+          step(g * 4 + u, q, d);
         }
       }
     }
-    if (last && tail > 0) {
-#pragma unroll
-      for (int u = 0; u < 3; ++u)
-        if (u < tail) step(ngroups * 4 + u, tq[u], td[u]);
-    }
-    g0 += kGroups;
-  } while (g0 < ngroups);
+  }
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
