@@ -16,7 +16,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,baseline,determinism,profile,pdl}
+STAGES=${STAGES:-build,tests,kernels,bench,baseline,determinism,profile,pdl}  # also: tuning, ncu
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -65,6 +65,24 @@ if want kernels; then
     PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \
       $PY scripts/kernel_bench.py --label baseline ${KB_ARGS:-} --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
   fi
+fi
+if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per entry, its tiled kernels timed
+  stamp "tuning builds: ${TUNING:-}"
+  IFS=';' read -ra TUNES <<< "${TUNING:-}"
+  for t in "${TUNES[@]}"; do
+    name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
+    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude=./.baseline --exclude=./.whl . | tar -x -C "$dir"
+    (configure_flags() { cmake -S "$dir" -B "$dir/build" -G Ninja -DPython_EXECUTABLE="$(command -v $PY)" \
+       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS="$flags" -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" \
+       > "$OUT/build_$name.log" 2>&1 && cmake --build "$dir/build" -j16 >> "$OUT/build_$name.log" 2>&1; }
+     configure_flags) &
+  done
+  wait
+  for t in "${TUNES[@]}"; do
+    name=${t%%:*}
+    PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
+      --layout tiled ${KB_ARGS:-} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
+  done
 fi
 if want ncu; then
   stamp "ncu (PDL off)"

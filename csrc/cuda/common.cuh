@@ -85,6 +85,11 @@ inline bool aligned(const void* p, uintptr_t align) { return (reinterpret_cast<u
 int check_weight_alignment(const char* kernel, const char* arg, int qtype, const void* p);
 int check_f32_alignment(const char* kernel, const char* arg, const void* p);
 
+// Blocks per SM the weight kernels (matmul, moe, qkv_rope) are compiled for: __launch_bounds__'s register cap.
+#ifndef TM_WEIGHT_MIN_BLOCKS
+#define TM_WEIGHT_MIN_BLOCKS 2
+#endif
+
 // ---- programmatic dependent launch -------------------------------------------------------------------------
 // The protocol every kernel follows: before pdl_wait() it may only read immutable data (weights) and issue cache
 // prefetches; pdl_wait() returns once the previous kernel of the stream has completed and its writes are visible;

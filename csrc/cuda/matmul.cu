@@ -22,7 +22,7 @@ constexpr int kTokenTile = 4;
 constexpr int64_t kPairRowsPerSm = 64;
 
 template <Fmt F, int NR, int NT, bool V>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 2)
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
                   int64_t tile0) {

@@ -30,7 +30,7 @@ constexpr int kRowsPerBlock = 8;
 constexpr float kNaN = __builtin_nanf("");
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_gate_up_kernel(const uint8_t* __restrict__ w_gate, const uint8_t* __restrict__ w_up,
                        const float* __restrict__ h, const int32_t* __restrict__ ids, float* __restrict__ act,
                        int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
@@ -112,7 +112,7 @@ __device__ __forceinline__ float shared_gate(const float* gate_inp, const float*
 }
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, 2)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_down_kernel(DownArgs a, const float* __restrict__ gate_inp, const float* __restrict__ h, float* x,
                     int64_t slot_begin, int64_t slot_count, int gate_mode, int64_t tok0) {
   __shared__ float s_gate;

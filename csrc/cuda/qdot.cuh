@@ -282,6 +282,11 @@ struct FmtTraits<Fmt::F32X4> {
   }
 };
 
+// Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
+#ifndef TM_Q8T_LOAD_REGS
+#define TM_Q8T_LOAD_REGS 48
+#endif
+
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
@@ -296,7 +301,7 @@ template <int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
   using T = FmtTraits<Fmt::Q8_0>;
-  constexpr int kFit = 48 / (6 * NR);  // 6 registers per group and row in flight
+  constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31, sub = lane >> 3, part = lane & 7;
   const int64_t nsteps = nblocks / 4, ngroups = nsteps / 4;

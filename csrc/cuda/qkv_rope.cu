@@ -19,6 +19,9 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
+#ifndef TM_QKV_MIN_BLOCKS
+#define TM_QKV_MIN_BLOCKS 1
+#endif
 
 struct QkvArgs {
   const float* x;
@@ -35,7 +38,7 @@ struct QkvArgs {
 };
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kNormThreads) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
+__global__ void __launch_bounds__(kNormThreads, TM_QKV_MIN_BLOCKS) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
   extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, then the norm scratch
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
