@@ -5,7 +5,7 @@
 - every weight kernel (matmul in all its tilings, qkv_rope, moe gate-up and down) on tiled rows == on the
   GGUF rows, bit for bit, on every device, for rows of whole groups of 4 steps, of a group plus a tail, and of
   a tail only (the shapes that exercise each branch of the CUDA reader);
-- bad input: rows that are not a multiple of 128 values, and weights that are not 8-byte aligned on CUDA.
+- bad input: rows that are not a multiple of 128 values, and weights that are not 16-byte aligned on CUDA.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def test_tiled_rows_of_partial_steps_are_rejected(device: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_tiled_weights_must_be_8_byte_aligned_on_cuda() -> None:
-    buf = torch.zeros(2 * 136 + 8, dtype=torch.uint8, device="cuda")
+def test_tiled_weights_must_be_16_byte_aligned_on_cuda() -> None:
+    buf = torch.zeros(2 * 136 + 16, dtype=torch.uint8, device="cuda")
     x, y = torch.zeros(1, 128, device="cuda"), torch.zeros(1, 2, device="cuda")
-    with pytest.raises(RuntimeError, match="8-byte aligned"):
-        K.matmul(Q8_0_TILED, buf[4 : 4 + 2 * 136], x, None, y, 1, 2, 128)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        K.matmul(Q8_0_TILED, buf[8 : 8 + 2 * 136], x, None, y, 1, 2, 128)

@@ -142,7 +142,7 @@ int launch_check(cudaStream_t stream, const char* kernel) {
 }
 
 int check_weight_alignment(const char* kernel, const char* arg, int qtype, const void* p) {
-  const uintptr_t need = qtype == TM_F32 ? 4 : qtype == TM_Q8_0_TILED ? 8 : 2;  // Q8_0_TILED: 8-byte loads
+  const uintptr_t need = qtype == TM_F32 ? 4 : qtype == TM_Q8_0_TILED ? 16 : 2;  // Q8_0_TILED: up to 16-byte loads
   if (aligned(p, need)) return TM_OK;
   return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                       "%s: argument '%s' (%s weights) must be %d-byte aligned on CUDA (address %p)", kernel, arg,

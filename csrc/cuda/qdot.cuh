@@ -32,8 +32,9 @@
 namespace tm_cuda {
 
 // The row layouts of the dot product (see above). X4 layouts are chosen by the row length alone.
-// Q8_0T is TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout.
-enum class Fmt : int { Q8_0, Q8_0T, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+// Q8_0T / Q8_0T16 are TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout with
+// 8-byte code loads, or 16-byte ones when every row is 16-byte aligned (rows of a multiple of 256 values).
+enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
 // output, or live in shared memory).
@@ -295,9 +296,9 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
 // the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
 // the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
-// bytes as two 8-byte words and its lane group's 4 scales as one (3 loads instead of 12 16-bit ones), and a whole
-// batch of kGroups groups (a 2048-value row for NR <= 2) is in flight before the first use.
-template <int NR, int NT, bool SX, bool V>
+// bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
+// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
+template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
   using T = FmtTraits<Fmt::Q8_0>;
@@ -344,8 +345,14 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           const uint8_t* code = w[r] + g * 512 + 16 * lane;
-          c[v][r][0] = ldg_vec<uint2>(code);
-          c[v][r][1] = ldg_vec<uint2>(code + 8);
+          if constexpr (W16) {
+            const uint4 q = ldg_vec<uint4>(code);
+            c[v][r][0] = make_uint2(q.x, q.y);
+            c[v][r][1] = make_uint2(q.z, q.w);
+          } else {
+            c[v][r][0] = ldg_vec<uint2>(code);
+            c[v][r][1] = ldg_vec<uint2>(code + 8);
+          }
           sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
         }
       } else if (g == ngroups && tail > 0) {
@@ -391,7 +398,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
     for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
 }
 
-// warp_dot (below) for every layout but Q8_0T: rows read block by block.
+// warp_dot (below) for every layout but the tiled ones: rows read block by block.
 template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                                 int64_t nblocks, float (&out)[NR][NT]) {
@@ -493,8 +500,8 @@ template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
-  if constexpr (F == Fmt::Q8_0T)
-    warp_dot_q8t<NR, NT, SX, V>(w, x, nblocks, out);
+  if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16)
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
   else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
 }
@@ -507,7 +514,7 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
   const bool quad = cols % 4 == 0;
   switch (qtype) {
     case TM_Q8_0: return Fmt::Q8_0;
-    case TM_Q8_0_TILED: return Fmt::Q8_0T;
+    case TM_Q8_0_TILED: return cols % 256 == 0 ? Fmt::Q8_0T16 : Fmt::Q8_0T;
     case TM_Q4_0: return Fmt::Q4_0;
     case TM_Q4_1: return Fmt::Q4_1;
     case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
@@ -519,7 +526,7 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
 // Values per block of a layout (the row length in blocks is cols / fmt_vals).
 inline int64_t fmt_vals(Fmt f) {
   switch (f) {
-    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
+    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
     case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
     default: return 1;
   }
@@ -548,6 +555,8 @@ inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
     case Fmt::Q8_0: return v ? fn(FmtTag<Fmt::Q8_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0>{}, std::false_type{});
     case Fmt::Q8_0T:
       return v ? fn(FmtTag<Fmt::Q8_0T>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T>{}, std::false_type{});
+    case Fmt::Q8_0T16:
+      return v ? fn(FmtTag<Fmt::Q8_0T16>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T16>{}, std::false_type{});
     case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
     case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
     case Fmt::F16X4:

@@ -53,9 +53,9 @@ typedef enum tm_qtype {
   TM_Q4_1 = 3,  /* 32 values: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; v = q*d + m */
   TM_Q8_0 = 8,  /* 32 values: fp16 d, 32 int8; v = q*d */
   TM_BF16 = 30, /* bfloat16 */
-  /* Not a GGML type: Q8_0 rows re-laid out so that the GPU reads them with 8-byte loads (tornado_moe.quant.tiled
-   * writes it). Same values, same bytes per row (34 per 32 values); rows of a multiple of 128 values, 8-byte
-   * aligned on CUDA. A row of n values has nb = n/32 blocks and S = n/128 "steps" of 4 blocks; in step s, lane
+  /* Not a GGML type: Q8_0 rows re-laid out so that the GPU reads them with 8/16-byte loads (tornado_moe.quant.tiled
+   * writes it). Same values, same bytes per row (34 per 32 values); rows of a multiple of 128 values, the tensor
+   * 16-byte aligned on CUDA. A row of n values has nb = n/32 blocks and S = n/128 "steps" of 4 blocks; in step s, lane
    * l = 8 * (b % 4) + i / 4 of 32 owns the 4 codes i..i+3 (i % 4 == 0) of block b = 4s + l / 8. Steps form groups
    * of 4 (the last group holds the S % 4 remaining ones); in group g of w steps, lane l's code word of step
    * 4g + u is at byte 512g + 4(w*l + u) (+ i % 4 for the single code), and the fp16 scale of block b of that
