@@ -285,7 +285,7 @@ struct FmtTraits<Fmt::F32X4> {
 
 // Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
 #ifndef TM_Q8T_LOAD_REGS
-#define TM_Q8T_LOAD_REGS 48
+#define TM_Q8T_LOAD_REGS 12
 #endif
 
 template <class T>

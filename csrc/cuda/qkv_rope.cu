@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
 #ifndef TM_QKV_MIN_BLOCKS
-#define TM_QKV_MIN_BLOCKS 1
+#define TM_QKV_MIN_BLOCKS 2
 #endif
 
 struct QkvArgs {
