@@ -139,6 +139,15 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         return lambda i: K.moe_gate_up(QT, wg, wu, h, ids_rot[i % 64], act, 1, TOPK, 0, TOPK, E, FFN, H)
     out.append(("routed_experts_gate_up (4 of 60)", 2 * TOPK * FFN * rb, routed_gate_up))
 
+    if hasattr(K, "experts_gate_up"):
+        def experts_gate_up() -> Callable[[int], None]:
+            n = copies_for(2 * SFFN * rb)
+            sg, su = q8_0(SFFN, H, n), q8_0(SFFN, H, n)
+            wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
+            return lambda i: K.experts_gate_up(QT, sg[i % n], su[i % n], act_sh, SFFN, wg, wu, h,
+                                               ids_rot[i % 64], act, 1, TOPK, E, FFN, H)
+        out.append(("experts_gate_up (shared + 4 of 60)", 2 * (SFFN + TOPK * FFN) * rb, experts_gate_up))
+
     def shared_down() -> Callable[[int], None]:
         nbytes = H * SFFN // 32 * 34
         n = copies_for(nbytes)

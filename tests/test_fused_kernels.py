@@ -3,6 +3,7 @@ the shapes the small kernel tests do not reach.
 
 - ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
+- ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
 - rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
   reference, and the same bits whatever the alignment of the weights in memory.
 """
@@ -130,6 +131,47 @@ def test_rmsnorm_router_topk_is_rmsnorm_then_router_bitwise(
                           normalize)
     assert torch.equal(h, h_ref) and torch.equal(ids, ids_ref) and torch.equal(wt, wt_ref)
     assert (ids >= 0).all() and not torch.isnan(wt).any()
+
+
+# ---- shared + routed gate-up in one launch -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["gguf", "tiled"])
+@pytest.mark.parametrize("n_tokens,n_experts,top_k,ffn_sh,ffn,hidden", [(1, 6, 4, 40, 24, 256),
+                                                                         (3, 5, 2, 17, 9, 512)])
+def test_experts_gate_up_is_shared_then_routed_bitwise(
+    device: str, layout: str, n_tokens: int, n_experts: int, top_k: int, ffn_sh: int, ffn: int, hidden: int
+) -> None:
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    rng = np.random.default_rng(17)
+    qtype = Q8_0_TILED if layout == "tiled" else 8
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        raw = ref.make_weights(rng, shape, 8, 0.1)[0].to(device)
+        return tile_q8_0(raw, hidden) if layout == "tiled" else raw
+
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    h = randn(rng, (n_tokens, hidden), device)
+    ids = torch.from_numpy(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tokens)])).to(
+        device=device, dtype=torch.int32)
+    sh_ref, act_ref = poisoned((n_tokens, ffn_sh), device), poisoned((n_tokens, top_k, ffn), device)
+    K.moe_gate_up(qtype, gs, us, h, None, sh_ref, n_tokens, 1, 0, 1, 1, ffn_sh, hidden)
+    K.moe_gate_up(qtype, g, u, h, ids, act_ref, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
+    sh, act = poisoned((n_tokens, ffn_sh), device), poisoned((n_tokens, top_k, ffn), device)
+    K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
+    assert not torch.isnan(sh_ref).any() and not torch.isnan(act_ref).any()
+    assert torch.equal(sh, sh_ref) and torch.equal(act, act_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_experts_gate_up_needs_expert_ids(device: str) -> None:
+    w = torch.zeros(4, 34, dtype=torch.uint8, device=device)
+    h, act = torch.zeros(1, 32, device=device), torch.zeros(1, 4, device=device)
+    with pytest.raises(RuntimeError, match="ids"):
+        K.experts_gate_up(8, w, w, act, 4, w, w, h, None, act, 1, 1, 1, 4, 32)
 
 
 # ---- long, odd and misaligned rows ------------------------------------------------------------------

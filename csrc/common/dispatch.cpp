@@ -122,6 +122,25 @@ int check_router_args(const char* fn, const float* w_router, const char* h_name,
   return TM_OK;
 }
 
+// The arguments of one gate-up weight set (shared by tm_moe_gate_up and both halves of tm_experts_gate_up).
+int check_gate_up_args(const char* fn, int qtype, const char* gate_name, const void* w_gate, const char* up_name,
+                       const void* w_up, const void* h, const char* act_name, const void* act, int64_t n_tokens,
+                       int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
+                       const char* ffn_name, int64_t ffn, int64_t hidden) {
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_ptr(fn, gate_name, w_gate));
+  TM_TRY(check_ptr(fn, up_name, w_up));
+  TM_TRY(check_ptr(fn, "h", h));
+  TM_TRY(check_ptr(fn, act_name, act));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "top_k", top_k));
+  TM_TRY(check_slots(fn, top_k, slot_begin, slot_count));
+  TM_TRY(check_positive(fn, "n_experts", n_experts));
+  TM_TRY(check_positive(fn, ffn_name, ffn));
+  TM_TRY(check_positive(fn, "hidden", hidden));
+  return check_row_length(fn, "hidden", qtype, hidden);
+}
+
 }  // namespace
 
 #define TM_FORWARD(kernel, device, ...)                                                              \
@@ -288,20 +307,25 @@ TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const
                           int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   const char* fn = "tm_moe_gate_up";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_qtype(fn, qtype));
-  TM_TRY(check_ptr(fn, "w_gate", w_gate));
-  TM_TRY(check_ptr(fn, "w_up", w_up));
-  TM_TRY(check_ptr(fn, "h", h));
-  TM_TRY(check_ptr(fn, "act", act));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "top_k", top_k));
-  TM_TRY(check_slots(fn, top_k, slot_begin, slot_count));
-  TM_TRY(check_positive(fn, "n_experts", n_experts));
-  TM_TRY(check_positive(fn, "ffn", ffn));
-  TM_TRY(check_positive(fn, "hidden", hidden));
-  TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, slot_begin,
+                            slot_count, n_experts, "ffn", ffn, hidden));
   return TM_FORWARD(moe_gate_up, device, qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, slot_begin, slot_count,
                     n_experts, ffn, hidden, stream);
+}
+
+TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                              int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                              const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                              int64_t ffn, int64_t hidden, void* stream) {
+  const char* fn = "tm_experts_gate_up";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate_sh", w_gate_sh, "w_up_sh", w_up_sh, h, "act_sh", act_sh, n_tokens, 1,
+                            0, 1, 1, "ffn_sh", ffn_sh, hidden));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, 0, top_k,
+                            n_experts, "ffn", ffn, hidden));
+  TM_TRY(check_ptr(fn, "ids", ids));
+  return TM_FORWARD(experts_gate_up, device, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act,
+                    n_tokens, top_k, n_experts, ffn, hidden, stream);
 }
 
 TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,

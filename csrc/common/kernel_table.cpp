@@ -96,6 +96,14 @@ const KernelRow kKernels[] = {
                              i64(a[10]), i64(a[11]), i64(a[12]), s);
      },
      0},
+    {"experts_gate_up", "qpppipppppiiiii",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_experts_gate_up(d, i32(a[0]), ptr<const void>(a[1]), ptr<const void>(a[2]), ptr<float>(a[3]),
+                                 i64(a[4]), ptr<const void>(a[5]), ptr<const void>(a[6]), ptr<const float>(a[7]),
+                                 ptr<const int32_t>(a[8]), ptr<float>(a[9]), i64(a[10]), i64(a[11]), i64(a[12]),
+                                 i64(a[13]), i64(a[14]), s);
+     },
+     0},
     {"moe_down_accumulate", "qppnnnnpiiiiiii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_moe_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),

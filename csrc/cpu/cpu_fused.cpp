@@ -21,6 +21,16 @@ extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* norm_w, f
                                max_ctx, freq_base, neox, stream);
 }
 
+extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                      int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                                      const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
+                                      int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+  TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, h, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden,
+                            stream));
+  return tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
+                            stream);
+}
+
 extern "C" int tm_cpu_rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,
                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,

@@ -75,7 +75,7 @@ int launch(const Limits& lim, const char* fn, void (*kernel)(KArgs...), dim3 gri
   return launch_check(stream, fn);
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // 1 when `p` is a multiple of `align` bytes.
 inline bool aligned(const void* p, uintptr_t align) { return (reinterpret_cast<uintptr_t>(p) % align) == 0; }

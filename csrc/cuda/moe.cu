@@ -1,5 +1,5 @@
 /*
- * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up and tm_moe_down_accumulate.
+ * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up, tm_experts_gate_up and tm_moe_down_accumulate.
  *
  * gate_up: blocks of 8 warps; grid x = (token, slot) pairs of the call (pair = t * slot_count + (s - slot_begin)),
  *   grid y = tiles of 8 rows of the expert FFN. A warp computes gate row r and up row r of expert ids[t, s] together
@@ -8,6 +8,8 @@
  *   they are in L2. Grids larger than the limits are split into several launches (pairs by max_grid_x, row tiles
  *   by max_grid_yz). The result of a (t, s, r) depends only on e, r and h[t]: fused (slot_count = top_k) and
  *   per-slot (slot_count = 1) launches agree bit for bit.
+ * experts_gate_up: the blocks of a shared-expert gate_up grid and of a routed one (all slots) in one 1-D grid, each
+ *   block doing exactly what it does in its own launch (the same function), so the results are those bits.
  * down_accumulate: blocks of 8 warps; grid x = tiles of 8 output rows, grid y = tokens (split by max_grid_yz).
  *   With gate_inp, warp 0 of every block first computes z = dot(gate_inp, h[t]) with warp_dot (F32 layout, same
  *   order in every block) and sigmoid(z) goes through shared memory. A warp then owns output row r of token t:
@@ -29,35 +31,64 @@ namespace {
 constexpr int kRowsPerBlock = 8;
 constexpr float kNaN = __builtin_nanf("");
 
+// One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
+struct GateUpArgs {
+  const uint8_t* w_gate;
+  const uint8_t* w_up;
+  const int32_t* ids;  // nullptr: expert 0 (a shared expert or dense FFN)
+  float* act;
+  int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
+};
+
+// Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2).
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
-    moe_gate_up_kernel(const uint8_t* __restrict__ w_gate, const uint8_t* __restrict__ w_up,
-                       const float* __restrict__ h, const int32_t* __restrict__ ids, float* __restrict__ act,
-                       int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
-                       int64_t hidden, int64_t row_bytes, int64_t nblocks, int64_t pair0, int64_t tile0) {
+__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* __restrict__ h, int64_t hidden,
+                                              int64_t nblocks, int64_t pair, int64_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = (tile0 + blockIdx.y) * kRowsPerBlock + warp;
-  if (ids == nullptr && r < ffn && pair0 + blockIdx.x == 0) {  // a shared expert: its rows are known up front
-    prefetch_row_l2(w_gate + r * row_bytes, row_bytes, lane);
-    prefetch_row_l2(w_up + r * row_bytes, row_bytes, lane);
+  const int64_t r = tile * kRowsPerBlock + warp;
+  if (a.ids == nullptr && r < a.ffn && pair == 0) {  // a shared expert: its rows are known up front
+    prefetch_row_l2(a.w_gate + r * a.row_bytes, a.row_bytes, lane);
+    prefetch_row_l2(a.w_up + r * a.row_bytes, a.row_bytes, lane);
   }
   pdl_begin();
-  if (r >= ffn) return;
-  const int64_t pair = pair0 + blockIdx.x;
-  const int64_t t = pair / slot_count;
-  const int64_t slot = t * top_k + slot_begin + pair % slot_count;
-  const int64_t e = ids != nullptr ? static_cast<int64_t>(ids[slot]) : 0;
-  float* o = act + slot * ffn + r;
-  if (e < 0 || e >= n_experts) {
+  if (r >= a.ffn) return;
+  const int64_t t = pair / a.slot_count;
+  const int64_t slot = t * a.top_k + a.slot_begin + pair % a.slot_count;
+  const int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+  float* o = a.act + slot * a.ffn + r;
+  if (e < 0 || e >= a.n_experts) {
     if (lane == 0) *o = kNaN;
     return;
   }
-  const int64_t off = (e * ffn + r) * row_bytes;
-  const uint8_t* wr[2] = {w_gate + off, w_up + off};
+  const int64_t off = (e * a.ffn + r) * a.row_bytes;
+  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
   const float* xs[1] = {h + t * hidden};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
+}
+
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+    moe_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t hidden, int64_t nblocks,
+                       int64_t pair0, int64_t tile0) {
+  gate_up_block<F, V>(a, h, hidden, nblocks, pair0 + blockIdx.x, tile0 + blockIdx.y);
+}
+
+// tm_experts_gate_up: a 1-D grid, the shared expert's blocks first, then the routed ones; each part numbers its
+// blocks (pair, tile) as moe_gate_up_kernel's grid does (pair fastest).
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+    experts_gate_up_kernel(const GateUpArgs sh, const GateUpArgs rt, const float* __restrict__ h, int64_t n_tokens,
+                           int64_t hidden, int64_t nblocks, int64_t block0) {
+  const int64_t b = block0 + blockIdx.x;
+  const int64_t sh_blocks = n_tokens * ceil_div(sh.ffn, kRowsPerBlock);
+  if (b < sh_blocks) {
+    gate_up_block<F, V>(sh, h, hidden, nblocks, b % n_tokens, b / n_tokens);
+  } else {
+    const int64_t pairs = n_tokens * rt.slot_count;
+    gate_up_block<F, V>(rt, h, hidden, nblocks, (b - sh_blocks) % pairs, (b - sh_blocks) / pairs);
+  }
 }
 
 // How the shared-expert gate dot product is evaluated (chosen on the host from hidden and the alignment).
@@ -151,20 +182,39 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 
 using namespace tm_cuda;
 
+namespace tm_cuda {
+namespace {
+
+// The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
+int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
+                 int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
+                 int64_t hidden, const float* h, GateUpArgs* out, bool* v) {
+  TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
+  TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
+  TM_TRY(check_f32_alignment(fn, "act", act));
+  const Fmt f = fmt_for(qtype, hidden);
+  *v = *v && fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
+  *out = GateUpArgs{static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), ids, act, top_k,
+                    slot_begin, slot_count, n_experts, ffn, tm_qtype_row_bytes(qtype, hidden)};
+  return TM_OK;
+}
+
+}  // namespace
+}  // namespace tm_cuda
+
 extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
                                    float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
                                    int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   const char* fn = "tm_moe_gate_up";
-  TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
-  TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
   TM_TRY(check_f32_alignment(fn, "h", h));
-  TM_TRY(check_f32_alignment(fn, "act", act));
+  GateUpArgs a;
+  bool v = true;
+  TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, slot_begin, slot_count, n_experts, ffn, hidden, h,
+                      &a, &v));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
-  const int64_t row_bytes = tm_qtype_row_bytes(qtype, hidden);
-  const bool v = fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
   const int64_t n_pairs = n_tokens * slot_count;
   const int64_t n_tiles = ceil_div(ffn, kRowsPerBlock);
   const cudaStream_t s = as_stream(stream);
@@ -175,11 +225,37 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
         const int64_t gy = n_tiles - y0 < lim.max_grid_yz ? n_tiles - y0 : lim.max_grid_yz;
-        TM_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>,
-                             dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kRowsPerBlock * 32), 0,
-                             s, static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), h, ids, act,
-                             top_k, slot_begin, slot_count, n_experts, ffn, hidden, row_bytes, nblocks, p0, y0));
+        TM_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                      dim3(kRowsPerBlock * 32), 0, s, a, h, hidden, nblocks, p0, y0));
       }
+    }
+    return TM_OK;
+  });
+}
+
+extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                       int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
+                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+  const char* fn = "tm_experts_gate_up";
+  TM_TRY(check_f32_alignment(fn, "h", h));
+  GateUpArgs sh, rt;
+  bool v = true;
+  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, &sh, &v));
+  TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, &rt, &v));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  const Fmt f = fmt_for(qtype, hidden);
+  const int64_t nblocks = hidden / fmt_vals(f);
+  const int64_t total = n_tokens * (ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
+  const cudaStream_t s = as_stream(stream);
+  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
+    constexpr Fmt F = decltype(ftag)::value;
+    constexpr bool V = decltype(vtag)::value;
+    for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
+      const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
+      TM_TRY(launch(lim, fn, experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx)), dim3(kRowsPerBlock * 32),
+                    0, s, sh, rt, h, n_tokens, hidden, nblocks, b0));
     }
     return TM_OK;
   });

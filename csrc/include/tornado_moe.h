@@ -167,6 +167,17 @@ TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
                           int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);
 
+/* The shared expert's gate-up and every routed slot's, in one launch: bitwise
+ *   tm_moe_gate_up(w_gate_sh, w_up_sh, h, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden) followed by
+ *   tm_moe_gate_up(w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
+ * (the two write different buffers and read only h and ids, so their order is free); one grid instead of two
+ * saves a launch and a ramp-up and drain of the GPU per layer. w_gate_sh, w_up_sh [ffn_sh, hidden], act_sh
+ * [T, ffn_sh]; the routed arguments as tm_moe_gate_up's; both weight sets of qtype. */
+TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                              int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                              const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                              int64_t ffn, int64_t hidden, void* stream);
+
 /* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
  * order, one running float32 accumulator per output row seeded from x and written once:
  *   acc = x[t, r]; for s: acc = acc + weights[t, s] * dot(W_down[ids[t, s]][r, :], act[t, s, :]); x[t, r] = acc

@@ -246,6 +246,25 @@ void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const 
                          slot_count, n_experts, ffn, hidden, as_stream(stream)));
 }
 
+void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh,
+                     const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const Tensor& ids, const Tensor& act,
+                     int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden,
+                     int64_t stream) {
+  Args a("tornado_moe.experts_gate_up");
+  const int64_t rb = row_bytes(qtype, hidden);
+  const void* gs_p = a.weights(w_gate_sh, "w_gate_sh", qtype, ffn_sh * rb);
+  const void* us_p = a.weights(w_up_sh, "w_up_sh", qtype, ffn_sh * rb);
+  float* acts_p = a.data<float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
+  const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * ffn * rb);
+  const void* u_p = a.weights(w_up, "w_up", qtype, n_experts * ffn * rb);
+  const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
+  const int32_t* ids_p = a.data<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_experts_gate_up(a.device(), static_cast<int>(qtype), gs_p, us_p, acts_p, ffn_sh, g_p, u_p, h_p, ids_p,
+                             act_p, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream)));
+}
+
 void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
                          const OptTensor& weights, const OptTensor& gate_inp, const OptTensor& h, const Tensor& x,
                          int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
@@ -337,6 +356,9 @@ TORCH_LIBRARY(tornado_moe, m) {
         "Tensor(c!) weights, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("moe_gate_up(int qtype, Tensor w_gate, Tensor w_up, Tensor h, Tensor? ids, Tensor(a!) act, int n_tokens, "
         "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, int stream) -> ()");
+  m.def("experts_gate_up(int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(a!) act_sh, int ffn_sh, Tensor w_gate, "
+        "Tensor w_up, Tensor h, Tensor ids, Tensor(b!) act, int n_tokens, int top_k, int n_experts, int ffn, "
+        "int hidden, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
@@ -365,6 +387,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("router_topk", &router_topk);                     \
   m.impl("rmsnorm_router_topk", &rmsnorm_router_topk);     \
   m.impl("moe_gate_up", &moe_gate_up);                     \
+  m.impl("experts_gate_up", &experts_gate_up);             \
   m.impl("moe_down_accumulate", &moe_down_accumulate);     \
   m.impl("argmax", &argmax);                               \
   m.impl("sample", &sample);                               \

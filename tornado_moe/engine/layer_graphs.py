@@ -1,6 +1,6 @@
 """Builds one task graph per transformer layer, plus the embedding and logits graphs.
 
-A layer is as few launches as the contract allows (qwen2moe, fused: 8):
+A layer is as few launches as the contract allows (qwen2moe, fused: 7):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
 - ``attention``, ``attn_output`` (+ residual);
@@ -8,9 +8,12 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 8):
   of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
   give bitwise identical hidden states:
-  - fused (default): ``routed_experts_gate_up_swiglu`` (all slots in one launch) and
-    ``routed_experts_down_accumulate`` (slots looped in order inside one launch);
-  - per-slot: ``routed_expert_gate_up_<s>`` and ``routed_expert_down_<s>`` for every slot s.
+  - fused (default): ``experts_gate_up_swiglu`` (the shared expert's gate-up and all slots' in one launch;
+    ``shared_expert_gate_up`` + ``routed_experts_gate_up_swiglu`` when their formats differ or there is no
+    shared expert), ``shared_expert_down`` and ``routed_experts_down_accumulate`` (slots looped in order
+    inside one launch);
+  - per-slot: ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``, ``shared_expert_down`` and
+    ``routed_expert_down_<s>`` for every slot s.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
 (the shared expert, or the dense FFN, first; then the routed slots in slot order). Gate-up tasks come before
 the down tasks so that every kernel whose weights are known before its inputs (the shared expert's) can
@@ -114,14 +117,19 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
 
     # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels. Every
     # gate-up task comes first, then the shared/dense down, then the routed downs (slot order), either shape.
+    gate_ups: list[tuple] = []
     downs: list[tuple] = []
+    shared: tuple | None = None  # (qtype, gate, up, act, ffn) of the shared expert
     if cfg.shared_ffn or cfg.dense_ffn:
         sfx = "_shexp" if cfg.shared_ffn else ""
         dffn = cfg.shared_ffn or cfg.dense_ffn
         wg, wu, wd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        g.task(f"{label}_gate_up", "moe_gate_up", _same_format(wg, wu), wg.data, wu.data, act.h, None,
-               act.act_dense, T, 1, 0, 1, 1, dffn, H)
+        sqt = _same_format(wg, wu)
+        if cfg.shared_ffn:
+            shared = (sqt, wg.data, wu.data, act.act_dense, dffn)
+        gate_ups.append((f"{label}_gate_up", "moe_gate_up", sqt, wg.data, wu.data, act.h, None, act.act_dense,
+                         T, 1, 0, 1, 1, dffn, H))
         downs.append((f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
                       _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
@@ -131,13 +139,17 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # (gate-up task, down task, first slot, slot count): one launch each over all slots, or one per slot
         shapes = ([("routed_experts_gate_up_swiglu", "routed_experts_down_accumulate", 0, k)] if fuse_experts
                   else [(f"routed_expert_gate_up_{s}", f"routed_expert_down_{s}", s, 1) for s in range(k)])
-        for gate_up, _, s0, n in shapes:
-            g.task(gate_up, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k, s0, n,
-                   E, ffn, H)
+        if fuse_experts and shared is not None and shared[0] == qt:
+            # the shared expert's gate-up and every slot's in one launch (bitwise the two launches)
+            gate_ups = [("experts_gate_up_swiglu", "experts_gate_up", qt, *shared[1:], wg.data, wu.data,
+                         act.h, act.expert_ids, act.act, T, k, E, ffn, H)]
+        else:
+            gate_ups += [(gate_up, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k,
+                          s0, n, E, ffn, H) for gate_up, _, s0, n in shapes]
         downs += [(down, "moe_down_accumulate", wd.qtype, wd.data, act.act, act.expert_ids,
                    act.expert_weights, None, None, act.x, T, k, s0, n, E, H, ffn)
                   for _, down, s0, n in shapes]
-    for task in downs:
+    for task in gate_ups + downs:
         g.task(*task)
     return g.snapshot()
 

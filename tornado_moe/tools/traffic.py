@@ -79,6 +79,12 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "rmsnorm_router_topk":
         io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]  # x read, h written, picks written
         return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]), io)
+    if k == "experts_gate_up":
+        share = min(T * a["top_k"], a["n_experts"]) / a["n_experts"]
+        w = _nbytes(a["w_gate_sh"]) + _nbytes(a["w_up_sh"])
+        w += share * (_nbytes(a["w_gate"]) + _nbytes(a["w_up"]))
+        act = F32 * T * (a["hidden"] + a["ffn_sh"] + a["top_k"] * a["ffn"]) + I32 * T * a["top_k"]
+        return TaskBytes(w, act)
     if k in ("moe_gate_up", "moe_down_accumulate"):
         slots, E = a["slot_count"], a["n_experts"]
         share = 1.0 if a["ids"] is None else min(T * slots, E) / E
