@@ -162,6 +162,15 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
                                                TOPK, E, H, FFN)
     out.append(("routed_experts_down (4 of 60)", TOPK * H * FFN // 32 * 34, routed_down))
 
+    if hasattr(K, "experts_down_accumulate"):
+        def experts_down() -> Callable[[int], None]:
+            n = copies_for(H * SFFN // 32 * 34)
+            sd, wd = q8_0(H, SFFN, n), q8_0(E * H, FFN)[0]
+            return lambda i: K.experts_down_accumulate(QT, sd[i % n], act_sh, gate_inp, SFFN, wd, act,
+                                                       ids_rot[i % 64], wts, h, x, 1, TOPK, E, H, FFN)
+        out.append(("experts_down_accumulate (shared + 4 of 60)", H * (SFFN + TOPK * FFN) // 32 * 34,
+                    experts_down))
+
     logits = torch.empty(1, VOCAB, **f32)
     matmul("output (151936 x 2048)", VOCAB, H, h, logits, False)
     return out

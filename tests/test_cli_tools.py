@@ -178,6 +178,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
     gate_up = nbytes("ffn_gate_exps") + nbytes("ffn_up_exps")
     down = nbytes("ffn_down_exps")
     sh_gate_up = nbytes("ffn_gate_shexp") + nbytes("ffn_up_shexp")
+    sh_down = nbytes("ffn_down_shexp") + tiny.tensor("blk.0.ffn_gate_inp_shexp.weight").nbytes  # + its gate
     # the fused attention input reads q, k, v, their F32 biases and the F32 norm weight
     qkv_bytes = sum(nbytes(f"attn_{n}") for n in "qkv") + 4 * cfg.hidden
     qkv_bytes += 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -201,11 +202,11 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         assert all(t["launches_measured"] == 1 for t in v["tasks"])
         assert all(isinstance(t["time_us"], float) and t["time_us"] > 0 for t in v["tasks"])
         assert tasks[("layer0", "attn_qkv")]["weight_bytes"] == qkv_bytes
-        if fused:  # the shared expert's gate-up and every slot's: one launch
+        if fused:  # the shared expert's gate-up and every slot's: one launch; the same for the downs
             assert tasks[("layer0", "experts_gate_up_swiglu")]["weight_bytes"] == pytest.approx(
                 sh_gate_up + gate_up * k / E)
-            assert tasks[("layer0", "routed_experts_down_accumulate")]["weight_bytes"] == pytest.approx(
-                down * k / E)
+            assert tasks[("layer0", "experts_down_accumulate")]["weight_bytes"] == pytest.approx(
+                sh_down + down * k / E)
         else:
             assert tasks[("layer0", "shared_expert_gate_up")]["weight_bytes"] == sh_gate_up
             for s in range(k):

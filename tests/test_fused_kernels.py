@@ -4,6 +4,7 @@ the shapes the small kernel tests do not reach.
 - ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
+- ``experts_down_accumulate`` == the shared expert's moe_down_accumulate then the routed one's, bit for bit;
 - rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
   reference, and the same bits whatever the alignment of the weights in memory.
 """
@@ -164,6 +165,57 @@ def test_experts_gate_up_is_shared_then_routed_bitwise(
     K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
     assert not torch.isnan(sh_ref).any() and not torch.isnan(act_ref).any()
     assert torch.equal(sh, sh_ref) and torch.equal(act, act_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["gguf", "tiled"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("n_tokens,n_experts,top_k,ffn_sh,ffn,hidden", [(1, 6, 4, 512, 384, 36),
+                                                                         (3, 9, 7, 256, 128, 17)])
+def test_experts_down_is_shared_then_routed_bitwise(
+    device: str, layout: str, gated: bool, n_tokens: int, n_experts: int, top_k: int, ffn_sh: int, ffn: int,
+    hidden: int
+) -> None:
+    """Shared then routed slots into one x (7 slots: groups of 4, 2 and 1; an odd hidden size: a partial
+    block of rows); on CUDA an expert id out of range gives NaN in both, and a small shared-memory cap takes
+    the two-launch path."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    rng = np.random.default_rng(19)
+    qtype = Q8_0_TILED if layout == "tiled" else 8
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        raw = ref.make_weights(rng, shape, 8, 0.1)[0].to(device)
+        return tile_q8_0(raw, shape[-1]) if layout == "tiled" else raw
+
+    wd_sh, wd = weights((hidden, ffn_sh)), weights((n_experts, hidden, ffn))
+    act_sh, act = randn(rng, (n_tokens, ffn_sh), device), randn(rng, (n_tokens, top_k, ffn), device)
+    gate = randn(rng, (hidden,), device, 0.1) if gated else None
+    h = randn(rng, (n_tokens, hidden), device)
+    ids = torch.from_numpy(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tokens)])).to(
+        device=device, dtype=torch.int32)
+    bad = device == "cuda" and n_tokens > 1  # the CPU reports a bad id; the GPU cannot, it writes NaN
+    if bad:
+        ids[1, 2] = n_experts
+    wts = torch.from_numpy(rng.random((n_tokens, top_k), dtype=np.float32)).to(device)
+    x0 = randn(rng, (n_tokens, hidden), device)
+    want = x0.clone()
+    K.moe_down_accumulate(qtype, wd_sh, act_sh, None, None, gate, h, want, n_tokens, 1, 0, 1, 1, hidden,
+                          ffn_sh)
+    K.moe_down_accumulate(qtype, wd, act, ids, wts, None, None, want, n_tokens, top_k, 0, top_k, n_experts,
+                          hidden, ffn)
+    for smem_cap in (0, 64):  # 64 bytes: too little for the one-launch kernel's slot terms
+        if smem_cap and device != "cuda":
+            continue
+        K.set_launch_limits_for_testing(smem_cap, 0)
+        try:
+            got = x0.clone()
+            K.experts_down_accumulate(qtype, wd_sh, act_sh, gate, ffn_sh, wd, act, ids, wts, h, got, n_tokens,
+                                      top_k, n_experts, hidden, ffn)
+        finally:
+            K.set_launch_limits_for_testing(0, 0)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert bool(torch.isnan(want).any()) == bad and not torch.isnan(want[0]).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

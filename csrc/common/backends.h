@@ -57,6 +57,11 @@ int tm_set_error(int status, const char* fmt, ...);
                                   const float* weights, const float* gate_inp, const float* h, float* x,      \
                                   int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,     \
                                   int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);              \
+  int PREFIX##experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,                 \
+                                      const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,          \
+                                      const float* act, const int32_t* ids, const float* weights,            \
+                                      const float* h, float* x, int64_t n_tokens, int64_t top_k,             \
+                                      int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);         \
   int PREFIX##argmax(const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab, void* stream);       \
   int PREFIX##sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,         \
                      int64_t top_k, uint64_t seed, const int32_t* step, void* stream);                        \

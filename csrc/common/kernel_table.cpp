@@ -112,6 +112,15 @@ const KernelRow kKernels[] = {
                                      i64(a[11]), i64(a[12]), i64(a[13]), i64(a[14]), s);
      },
      0},
+    {"experts_down_accumulate", "qppnipppnnpiiiii",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_experts_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),
+                                         ptr<const float>(a[3]), i64(a[4]), ptr<const void>(a[5]),
+                                         ptr<const float>(a[6]), ptr<const int32_t>(a[7]), ptr<const float>(a[8]),
+                                         ptr<const float>(a[9]), ptr<float>(a[10]), i64(a[11]), i64(a[12]),
+                                         i64(a[13]), i64(a[14]), i64(a[15]), s);
+     },
+     0},
     {"argmax", "ppii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_argmax(d, ptr<const float>(a[0]), ptr<int32_t>(a[1]), i64(a[2]), i64(a[3]), s);

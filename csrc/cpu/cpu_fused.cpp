@@ -31,6 +31,17 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
                             stream);
 }
 
+extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
+                                              const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
+                                              const float* act, const int32_t* ids, const float* weights,
+                                              const float* h, float* x, int64_t n_tokens, int64_t top_k,
+                                              int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+  TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down_sh, act_sh, nullptr, nullptr, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
+                                    1, hidden, ffn_sh, stream));
+  return tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
+                                    n_experts, hidden, ffn, stream);
+}
+
 extern "C" int tm_cpu_rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,
                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,

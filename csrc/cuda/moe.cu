@@ -1,5 +1,6 @@
 /*
- * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up, tm_experts_gate_up and tm_moe_down_accumulate.
+ * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up, tm_experts_gate_up, tm_moe_down_accumulate and
+ * tm_experts_down_accumulate.
  *
  * gate_up: blocks of 8 warps; grid x = (token, slot) pairs of the call (pair = t * slot_count + (s - slot_begin)),
  *   grid y = tiles of 8 rows of the expert FFN. A warp computes gate row r and up row r of expert ids[t, s] together
@@ -10,6 +11,8 @@
  *   per-slot (slot_count = 1) launches agree bit for bit.
  * experts_gate_up: the blocks of a shared-expert gate_up grid and of a routed one (all slots) in one 1-D grid, each
  *   block doing exactly what it does in its own launch (the same function), so the results are those bits.
+ * experts_down_accumulate: the shared expert's down and every slot's in one launch, bitwise the two launches
+ *   (experts_down_kernel below).
  * down_accumulate: blocks of 8 warps; grid x = tiles of 8 output rows, grid y = tokens (split by max_grid_yz).
  *   With gate_inp, warp 0 of every block first computes z = dot(gate_inp, h[t]) with warp_dot (F32 layout, same
  *   order in every block) and sigmoid(z) goes through shared memory. A warp then owns output row r of token t:
@@ -102,13 +105,14 @@ struct DownArgs {
   int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
 };
 
-// acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
+// The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
+// activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
+// id out of range).
 template <Fmt F, int NR, bool V>
-__device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
-                                            float gate, float acc) {
+__device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
+                                          float gate, float (&d)[NR][1], float (&w_eff)[NR]) {
   const uint8_t* wr[NR];
   const float* xs[NR];
-  float w_eff[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     const int64_t slot = t * a.top_k + s + i;
@@ -121,11 +125,30 @@ __device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  float d[NR][1];
   warp_dot<F, NR, 1, false, V>(wr, xs, a.nblocks, d);
+}
+
+// acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
+template <Fmt F, int NR, bool V>
+__device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
+                                            float gate, float acc) {
+  float d[NR][1], w_eff[NR];
+  down_dots<F, NR, V>(a, t, r, s, gated, gate, d, w_eff);
 #pragma unroll
   for (int i = 0; i < NR; ++i) acc = __fadd_rn(acc, __fmul_rn(w_eff[i], d[i][0]));
   return acc;
+}
+
+// Calls fn(s, n) for the slot groups of [begin, end): fours, then a two, then a one.
+template <class Fn>
+__device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&& fn) {
+  int64_t s = begin;
+  for (; end - s >= 4; s += 4) fn(s, std::integral_constant<int, 4>{});
+  if (end - s >= 2) {
+    fn(s, std::integral_constant<int, 2>{});
+    s += 2;
+  }
+  if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
 // sigmoid(dot(gate_inp, h_t)) by one warp (warp_dot in the F32 layout: the same bits in every block).
@@ -166,15 +189,59 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const bool gated = gate_mode != kGateNone;
   float* xo = x + t * a.hidden + r;
   float acc = __ldcg(xo);  // in place: read around L1 (common.cuh)
-  int64_t s = slot_begin;
-  const int64_t end = slot_begin + slot_count;
-  for (; end - s >= 4; s += 4) acc = down_group<F, 4, V>(a, t, r, s, gated, gate, acc);
-  if (end - s >= 2) {
-    acc = down_group<F, 2, V>(a, t, r, s, gated, gate, acc);
-    s += 2;
-  }
-  if (end - s >= 1) acc = down_group<F, 1, V>(a, t, r, s, gated, gate, acc);
+  for_slot_groups(slot_begin, slot_begin + slot_count, [&](int64_t s, auto n) {
+    acc = down_group<F, decltype(n)::value, V>(a, t, r, s, gated, gate, acc);
+  });
   if (lane == 0) *xo = acc;
+}
+
+// tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
+// computes the shared expert's dot product for row r0 + w (after the gate, which each of them computes: the same
+// bits), warp kSplitRows + w the routed
+// slots' for the same row (slot groups as moe_down_kernel), into shared memory; after one barrier lane 0 of warp
+// w adds them to x[t, r0 + w] in the order of the two launches this replaces: the shared term, then the slots in
+// order, each a rounded multiply then a rounded add, from the float32 x read once.
+constexpr int kSplitRows = kRowsPerBlock / 2;
+
+template <Fmt FS, bool VS, Fmt FR, bool VR>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+    experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
+                        float* x, int gate_mode, int64_t tok0) {
+  extern __shared__ float down_smem[];  // [kSplitRows][top_k] routed terms, then [kSplitRows] shared terms
+  float* s_routed = down_smem;
+  float* s_shared = down_smem + kSplitRows * rt.top_k;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = warp % kSplitRows;
+  const int64_t t = tok0 + blockIdx.y;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kSplitRows + row;
+  const bool shared_warp = warp < kSplitRows;
+  if (shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
+    prefetch_row_l2(sh.w_down + r * sh.row_bytes, sh.row_bytes, lane);
+  pdl_begin();
+  if (r < sh.hidden) {
+    if (shared_warp) {
+      float gate = 1.0f;
+      if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
+      float d[1][1], w_eff[1];
+      down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
+      if (lane == 0) s_shared[row] = __fmul_rn(w_eff[0], d[0][0]);
+    } else {
+      for_slot_groups(0, rt.top_k, [&](int64_t s, auto n) {
+        constexpr int NR = decltype(n)::value;
+        float d[NR][1], w_eff[NR];
+        down_dots<FR, NR, VR>(rt, t, r, s, false, 1.0f, d, w_eff);
+        if (lane == 0)
+#pragma unroll
+          for (int i = 0; i < NR; ++i) s_routed[row * rt.top_k + s + i] = __fmul_rn(w_eff[i], d[i][0]);
+      });
+    }
+  }
+  __syncthreads();
+  if (!shared_warp || lane != 0 || r >= sh.hidden) return;
+  float* xo = x + t * sh.hidden + r;
+  float acc = __fadd_rn(__ldcg(xo), s_shared[row]);  // in place: read around L1 (common.cuh)
+  for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[row * rt.top_k + s]);
+  *xo = acc;
 }
 
 }  // namespace
@@ -261,52 +328,117 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   });
 }
 
-extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,
-                                           const float* weights, const float* gate_inp, const float* h, float* x,
-                                           int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                                           int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
-  const char* fn = "tm_moe_down_accumulate";
+namespace tm_cuda {
+namespace {
+
+// The checks and the layout of one down weight set; gate_mode from gate_inp (nullable) and h.
+int down_args(const char* fn, int qtype, const void* w_down, const float* act, const int32_t* ids,
+              const float* weights, const float* gate_inp, const float* h, int64_t top_k, int64_t n_experts,
+              int64_t hidden, int64_t ffn, DownArgs* a, int* gate_mode, bool* v) {
   TM_TRY(check_weight_alignment(fn, "w_down", qtype, w_down));
   TM_TRY(check_f32_alignment(fn, "act", act));
   TM_TRY(check_f32_alignment(fn, "weights", weights));
   TM_TRY(check_f32_alignment(fn, "gate_inp", gate_inp));
   TM_TRY(check_f32_alignment(fn, "h", h));
-  TM_TRY(check_f32_alignment(fn, "x", x));
-  Limits lim;
-  TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, ffn);
-  DownArgs a;
-  a.w_down = static_cast<const uint8_t*>(w_down);
-  a.act = act;
-  a.ids = ids;
-  a.weights = weights;
-  a.top_k = top_k;
-  a.n_experts = n_experts;
-  a.hidden = hidden;
-  a.ffn = ffn;
-  a.row_bytes = tm_qtype_row_bytes(qtype, ffn);
-  a.nblocks = ffn / fmt_vals(f);
-  int gate_mode = kGateNone;
+  *a = DownArgs{static_cast<const uint8_t*>(w_down), act, ids, weights, top_k, n_experts, hidden, ffn,
+                tm_qtype_row_bytes(qtype, ffn), ffn / fmt_vals(f)};
+  *gate_mode = kGateNone;
   if (gate_inp != nullptr) {
     if (hidden % 4 != 0)
-      gate_mode = kGateF32;
+      *gate_mode = kGateF32;
     else
-      gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
+      *gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
   }
-  const bool v = fmt_vector_ok(f, w_down, aligned(act, 16));
-  const int64_t gx = ceil_div(hidden, kRowsPerBlock);
+  *v = fmt_vector_ok(f, w_down, aligned(act, 16));
+  return TM_OK;
+}
+
+int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs& a, bool v, const float* gate_inp,
+                    const float* h, float* x, int64_t n_tokens, int64_t slot_begin, int64_t slot_count,
+                    int gate_mode, cudaStream_t s) {
+  const int64_t gx = ceil_div(a.hidden, kRowsPerBlock);
   if (gx > lim.max_grid_x)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
-                        static_cast<long long>(hidden));
-  const cudaStream_t s = as_stream(stream);
-  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
+                        static_cast<long long>(a.hidden));
+  return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
       const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
       TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                           dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
+                    dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
     }
     return TM_OK;
+  });
+}
+
+// Row layouts one experts_down_kernel instantiation may pair (the shared and routed rows differ in length, so a
+// tiled format may differ in load width; any other format must match): the other pairs take two launches.
+constexpr bool down_pair_ok(Fmt s, Fmt r) {
+  return s == r || ((s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16));
+}
+
+}  // namespace
+}  // namespace tm_cuda
+
+extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,
+                                           const float* weights, const float* gate_inp, const float* h, float* x,
+                                           int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
+                                           int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+  const char* fn = "tm_moe_down_accumulate";
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  DownArgs a;
+  int gate_mode;
+  bool v;
+  TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, gate_inp, h, top_k, n_experts, hidden, ffn, &a, &gate_mode,
+                   &v));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  return launch_moe_down(lim, fn, qtype, a, v, gate_inp, h, x, n_tokens, slot_begin, slot_count, gate_mode,
+                         as_stream(stream));
+}
+
+extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
+                                               const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
+                                               const float* act, const int32_t* ids, const float* weights,
+                                               const float* h, float* x, int64_t n_tokens, int64_t top_k,
+                                               int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+  const char* fn = "tm_experts_down_accumulate";
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  DownArgs sh, rt;
+  int gate_mode, no_gate;
+  bool vs, vr;
+  TM_TRY(down_args(fn, qtype, w_down_sh, act_sh, nullptr, nullptr, gate_inp_sh, h, 1, 1, hidden, ffn_sh, &sh,
+                   &gate_mode, &vs));
+  TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, nullptr, nullptr, top_k, n_experts, hidden, ffn, &rt,
+                   &no_gate, &vr));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  const cudaStream_t s = as_stream(stream);
+  const int64_t smem = (kSplitRows * top_k + kSplitRows) * static_cast<int64_t>(sizeof(float));
+  const int64_t gx = ceil_div(hidden, kSplitRows);
+  auto two_launches = [&]() -> int {
+    TM_TRY(launch_moe_down(lim, fn, qtype, sh, vs, gate_inp_sh, h, x, n_tokens, 0, 1, gate_mode, s));
+    return launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s);
+  };
+  // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
+  if (smem > 48 * 1024 || smem > lim.smem_block || gx > lim.max_grid_x) return two_launches();
+  return dispatch_fmt(fmt_for(qtype, ffn_sh), vs, [&](auto fstag, auto vstag) -> int {
+    return dispatch_fmt(fmt_for(qtype, ffn), vr, [&](auto frtag, auto vrtag) -> int {
+      constexpr Fmt FS = decltype(fstag)::value, FR = decltype(frtag)::value;
+      constexpr bool VS = decltype(vstag)::value, VR = decltype(vrtag)::value;
+      if constexpr (down_pair_ok(FS, FR)) {
+        for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+          const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+          TM_TRY(launch(lim, fn, experts_down_kernel<FS, VS, FR, VR>,
+                        dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kRowsPerBlock * 32),
+                        static_cast<size_t>(smem), s, sh, rt, gate_inp_sh, h, x, gate_mode, t0));
+        }
+        return TM_OK;
+      } else {
+        return two_launches();
+      }
+    });
   });
 }

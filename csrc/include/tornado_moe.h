@@ -190,6 +190,19 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
                                   float* x, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
                                   int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
 
+/* The shared expert's down projection and every routed slot's, in one launch: bitwise
+ *   tm_moe_down_accumulate(w_down_sh, act_sh, NULL, NULL, gate_inp_sh, h, x, n_tokens, 1, 0, 1, 1, hidden, ffn_sh)
+ * followed by
+ *   tm_moe_down_accumulate(w_down, act, ids, weights, NULL, NULL, x, n_tokens, top_k, 0, top_k, n_experts, hidden,
+ *                          ffn)
+ * (x = ((x + shared) + w_0 y_0) + ..., the order of the two calls). w_down_sh [hidden, ffn_sh], act_sh
+ * [T, ffn_sh], gate_inp_sh nullable (then h may be NULL); the routed arguments as tm_moe_down_accumulate's. */
+TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
+                                      const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
+                                      const float* act, const int32_t* ids, const float* weights, const float* h,
+                                      float* x, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden,
+                                      int64_t ffn, void* stream);
+
 /* Greedy: out[t] = argmax_v logits[t, v], ties to the lowest id; NaN never wins. */
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
                      void* stream);

@@ -282,6 +282,26 @@ void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act,
                                  n_tokens, top_k, slot_begin, slot_count, n_experts, hidden, ffn, as_stream(stream)));
 }
 
+void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tensor& act_sh, const OptTensor& gate_inp_sh,
+                             int64_t ffn_sh, const Tensor& w_down, const Tensor& act, const Tensor& ids,
+                             const OptTensor& weights, const OptTensor& h, const Tensor& x, int64_t n_tokens,
+                             int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
+  Args a("tornado_moe.experts_down_accumulate");
+  const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
+  const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
+  const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
+  const void* w_p = a.weights(w_down, "w_down", qtype, n_experts * hidden * row_bytes(qtype, ffn));
+  const float* act_p = a.data<const float>(act, "act", kF32, n_tokens * top_k * ffn);
+  const int32_t* ids_p = a.data<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  const float* wt_p = a.optional<const float>(weights, "weights", kF32, n_tokens * top_k);
+  const float* h_p = a.optional<const float>(h, "h", kF32, n_tokens * hidden);
+  float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, ffn_sh, w_p, act_p,
+                                     ids_p, wt_p, h_p, x_p, n_tokens, top_k, n_experts, hidden, ffn,
+                                     as_stream(stream)));
+}
+
 void argmax(const Tensor& logits, const Tensor& out, int64_t n_tokens, int64_t vocab, int64_t stream) {
   Args a("tornado_moe.argmax");
   const float* l_p = a.data<const float>(logits, "logits", kF32, n_tokens * vocab);
@@ -362,6 +382,9 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
+  m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, int ffn_sh, "
+        "Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, int top_k, "
+        "int n_experts, int hidden, int ffn, int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
@@ -389,6 +412,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("moe_gate_up", &moe_gate_up);                     \
   m.impl("experts_gate_up", &experts_gate_up);             \
   m.impl("moe_down_accumulate", &moe_down_accumulate);     \
+  m.impl("experts_down_accumulate", &experts_down_accumulate); \
   m.impl("argmax", &argmax);                               \
   m.impl("sample", &sample);                               \
   m.impl("advance_position", &advance_position)

@@ -1,6 +1,6 @@
 """Builds one task graph per transformer layer, plus the embedding and logits graphs.
 
-A layer is as few launches as the contract allows (qwen2moe, fused: 7):
+A layer is as few launches as the contract allows (qwen2moe, fused: 6):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
 - ``attention``, ``attn_output`` (+ residual);
@@ -8,10 +8,10 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 7):
   of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
   give bitwise identical hidden states:
-  - fused (default): ``experts_gate_up_swiglu`` (the shared expert's gate-up and all slots' in one launch;
-    ``shared_expert_gate_up`` + ``routed_experts_gate_up_swiglu`` when their formats differ or there is no
-    shared expert), ``shared_expert_down`` and ``routed_experts_down_accumulate`` (slots looped in order
-    inside one launch);
+  - fused (default): ``experts_gate_up_swiglu`` (the shared expert's gate-up and all slots' in one launch)
+    and ``experts_down_accumulate`` (the shared expert's down, then the slots in order, in one launch); when
+    the shared expert's formats differ from the routed ones', or there is none, ``shared_expert_gate_up``,
+    ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and ``routed_experts_down_accumulate``;
   - per-slot: ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``, ``shared_expert_down`` and
     ``routed_expert_down_<s>`` for every slot s.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
@@ -119,19 +119,17 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     # gate-up task comes first, then the shared/dense down, then the routed downs (slot order), either shape.
     gate_ups: list[tuple] = []
     downs: list[tuple] = []
-    shared: tuple | None = None  # (qtype, gate, up, act, ffn) of the shared expert
+    ids, wts = act.expert_ids, act.expert_weights
     if cfg.shared_ffn or cfg.dense_ffn:
         sfx = "_shexp" if cfg.shared_ffn else ""
         dffn = cfg.shared_ffn or cfg.dense_ffn
-        wg, wu, wd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
+        sg, su, sd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
+        s_gate = _f32(L, "ffn_gate_inp_shexp")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        sqt = _same_format(wg, wu)
-        if cfg.shared_ffn:
-            shared = (sqt, wg.data, wu.data, act.act_dense, dffn)
-        gate_ups.append((f"{label}_gate_up", "moe_gate_up", sqt, wg.data, wu.data, act.h, None, act.act_dense,
-                         T, 1, 0, 1, 1, dffn, H))
-        downs.append((f"{label}_down", "moe_down_accumulate", wd.qtype, wd.data, act.act_dense, None, None,
-                      _f32(L, "ffn_gate_inp_shexp"), act.h, act.x, T, 1, 0, 1, 1, H, dffn))
+        gate_ups.append((f"{label}_gate_up", "moe_gate_up", _same_format(sg, su), sg.data, su.data, act.h,
+                         None, act.act_dense, T, 1, 0, 1, 1, dffn, H))
+        downs.append((f"{label}_down", "moe_down_accumulate", sd.qtype, sd.data, act.act_dense, None, None,
+                      s_gate, act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
     if E:
         wg, wu, wd = _w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"), _w(L, "ffn_down_exps")
@@ -139,16 +137,17 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # (gate-up task, down task, first slot, slot count): one launch each over all slots, or one per slot
         shapes = ([("routed_experts_gate_up_swiglu", "routed_experts_down_accumulate", 0, k)] if fuse_experts
                   else [(f"routed_expert_gate_up_{s}", f"routed_expert_down_{s}", s, 1) for s in range(k)])
-        if fuse_experts and shared is not None and shared[0] == qt:
-            # the shared expert's gate-up and every slot's in one launch (bitwise the two launches)
-            gate_ups = [("experts_gate_up_swiglu", "experts_gate_up", qt, *shared[1:], wg.data, wu.data,
-                         act.h, act.expert_ids, act.act, T, k, E, ffn, H)]
-        else:
-            gate_ups += [(gate_up, "moe_gate_up", qt, wg.data, wu.data, act.h, act.expert_ids, act.act, T, k,
-                          s0, n, E, ffn, H) for gate_up, _, s0, n in shapes]
-        downs += [(down, "moe_down_accumulate", wd.qtype, wd.data, act.act, act.expert_ids,
-                   act.expert_weights, None, None, act.x, T, k, s0, n, E, H, ffn)
-                  for _, down, s0, n in shapes]
+        gate_ups += [(name, "moe_gate_up", qt, wg.data, wu.data, act.h, ids, act.act, T, k, s0, n, E, ffn, H)
+                     for name, _, s0, n in shapes]
+        downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
+                   s0, n, E, H, ffn) for _, name, s0, n in shapes]
+        # Fused, with a shared expert of the same formats: its launches join the routed ones (same bits).
+        if fuse_experts and cfg.shared_ffn and gate_ups[0][2] == qt:
+            gate_ups = [("experts_gate_up_swiglu", "experts_gate_up", qt, sg.data, su.data, act.act_dense,
+                         dffn, wg.data, wu.data, act.h, ids, act.act, T, k, E, ffn, H)]
+        if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:
+            downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
+                      s_gate, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
     for task in gate_ups + downs:
         g.task(*task)
     return g.snapshot()

@@ -27,6 +27,7 @@ __all__ = [
     "cuda_device_count",
     "device_props",
     "embedding",
+    "experts_down_accumulate",
     "experts_gate_up",
     "matmul",
     "moe_down_accumulate",
@@ -67,6 +68,9 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                         "act", "n_tokens", "top_k", "n_experts", "ffn", "hidden"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
+    "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "ffn_sh", "w_down", "act",
+                                "ids", "weights", "h", "x", "n_tokens", "top_k", "n_experts", "hidden",
+                                "ffn"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
     "advance_position": ("pos", "delta"),
@@ -324,6 +328,29 @@ def moe_down_accumulate(
         ffn,
         stream_of(x),
     )
+
+
+def experts_down_accumulate(
+    qtype: int,
+    w_down_sh: torch.Tensor,
+    act_sh: torch.Tensor,
+    gate_inp_sh: torch.Tensor | None,
+    ffn_sh: int,
+    w_down: torch.Tensor,
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    h: torch.Tensor | None,
+    x: torch.Tensor,
+    n_tokens: int,
+    top_k: int,
+    n_experts: int,
+    hidden: int,
+    ffn: int,
+) -> None:
+    """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls)."""
+    _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, ffn_sh, w_down, act, ids, weights,
+                                   h, x, n_tokens, top_k, n_experts, hidden, ffn, stream_of(x))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:

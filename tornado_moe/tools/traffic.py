@@ -85,6 +85,14 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         w += share * (_nbytes(a["w_gate"]) + _nbytes(a["w_up"]))
         act = F32 * T * (a["hidden"] + a["ffn_sh"] + a["top_k"] * a["ffn"]) + I32 * T * a["top_k"]
         return TaskBytes(w, act)
+    if k == "experts_down_accumulate":
+        share = min(T * a["top_k"], a["n_experts"]) / a["n_experts"]
+        w = _nbytes(a["w_down_sh"]) + _nbytes(a["gate_inp_sh"]) + share * _nbytes(a["w_down"])
+        act = F32 * T * (a["ffn_sh"] + a["top_k"] * a["ffn"]) + 2 * F32 * T * a["hidden"]  # x read, written
+        act += (F32 + I32) * T * a["top_k"]  # weights, ids
+        if a["gate_inp_sh"] is not None:
+            act += F32 * T * a["hidden"]  # h
+        return TaskBytes(w, act)
     if k in ("moe_gate_up", "moe_down_accumulate"):
         slots, E = a["slot_count"], a["n_experts"]
         share = 1.0 if a["ids"] is None else min(T * slots, E) / E

@@ -40,6 +40,8 @@ public class NativeKernelTableTest {
         m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
         m.put("experts_gate_up", "qpppipppppiiiii"); // qtype, shared gate up act ffn, gate up h ids act, 5 ints
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
+        m.put("experts_down_accumulate", "qppnipppnnpiiiii"); // qtype, shared down act gate? ffn, down act ids
+                                                              // weights? h? x, 5 ints
         m.put("argmax", "ppii");                // logits out n_tokens vocab
         m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
         m.put("advance_position", "pi");        // pos delta
