@@ -16,7 +16,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,baseline,determinism,profile,pdl}  # also: tuning, ncu
+STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: tuning, ncu
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -102,6 +102,12 @@ if want bench; then
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/bench.log"
 fi
+if want layout; then
+  stamp "bench with GGUF-layout Q8_0 weights (no tiling)"
+  timeout -k 10 "$(left 40)" $CLI bench "${BENCH_ARGS[@]}" --compare fused,graphs,torch,gguf-layout \
+    --json "$OUT/bench_gguf_layout.json" > "$OUT/bench_gguf_layout.log" 2>&1
+  tail -3 "$OUT/bench_gguf_layout.log"
+fi
 if want baseline && [ -d .baseline ]; then
   stamp "baseline bench (${BASELINE_COMMIT:-baseline})"
   (cd .baseline && TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} PYTHONPATH=/tmp/site:$ROOT/.baseline \
@@ -110,10 +116,15 @@ if want baseline && [ -d .baseline ]; then
   tail -7 "$OUT/bench_baseline.log"
 fi
 if want determinism; then
-  stamp "determinism (torch: ${DET_COMPARE:=fused,per-slot,eager,graphs,torch,tiled,gguf-layout})"
-  timeout -k 10 "$(left 150)" $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
+  stamp "determinism (torch: ${DET_COMPARE:=fused,per-slot,eager,graphs,torch})"
+  timeout -k 10 "$(left 120)" $CLI determinism --model "$MODEL" --device cuda --runs 3 -n ${DET_TOKENS:-512} \
     --compare "$DET_COMPARE" --json "$OUT/determinism.json" > "$OUT/determinism.log" 2>&1
   echo "exit $?"; tail -8 "$OUT/determinism.log"
+  stamp "determinism (tiled vs GGUF-layout weights)"
+  timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_LAYOUT_TOKENS:-256} \
+    --compare fused,graphs,torch,tiled,gguf-layout --json "$OUT/determinism_layout.json" \
+    > "$OUT/determinism_layout.log" 2>&1
+  echo "exit $?"; tail -5 "$OUT/determinism_layout.log"
   stamp "determinism (torch vs java)"
   timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
     --compare fused,graphs,torch,java --json "$OUT/determinism_java.json" > "$OUT/determinism_java.log" 2>&1

@@ -144,7 +144,8 @@ int check_gate_up_args(const char* fn, int qtype, const char* gate_name, const v
 // The arguments of one down weight set (shared by tm_moe_down_accumulate and both halves of
 // tm_experts_down_accumulate).
 int check_down_args(const char* fn, int qtype, const char* w_name, const void* w_down, const char* act_name,
-                    const void* act, const void* gate_inp, const void* h, const void* x, int64_t n_tokens,
+                    const void* act, const char* gate_name, const void* gate_inp, const void* h, const void* x,
+                    int64_t n_tokens,
                     int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t hidden,
                     const char* ffn_name, int64_t ffn) {
   TM_TRY(check_qtype(fn, qtype));
@@ -152,7 +153,8 @@ int check_down_args(const char* fn, int qtype, const char* w_name, const void* w
   TM_TRY(check_ptr(fn, act_name, act));
   TM_TRY(check_ptr(fn, "x", x));
   if (gate_inp != nullptr && h == nullptr)
-    return tm_set_error(kInvalid, "%s: argument 'h' is a null pointer but the gate is given (the gate reads h)", fn);
+    return tm_set_error(kInvalid, "%s: argument 'h' is a null pointer but '%s' is given (the gate reads h)", fn,
+                        gate_name);
   TM_TRY(check_positive(fn, "n_tokens", n_tokens));
   TM_TRY(check_positive(fn, "top_k", top_k));
   TM_TRY(check_slots(fn, top_k, slot_begin, slot_count));
@@ -355,8 +357,8 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
                                   int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
   const char* fn = "tm_moe_down_accumulate";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, gate_inp, h, x, n_tokens, top_k, slot_begin,
-                         slot_count, n_experts, hidden, "ffn", ffn));
+  TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", gate_inp, h, x, n_tokens, top_k,
+                         slot_begin, slot_count, n_experts, hidden, "ffn", ffn));
   return TM_FORWARD(moe_down_accumulate, device, qtype, w_down, act, ids, weights, gate_inp, h, x, n_tokens, top_k,
                     slot_begin, slot_count, n_experts, hidden, ffn, stream);
 }
@@ -368,10 +370,10 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
                                       int64_t ffn, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_down_args(fn, qtype, "w_down_sh", w_down_sh, "act_sh", act_sh, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
-                         1, hidden, "ffn_sh", ffn_sh));
-  TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
-                         n_experts, hidden, "ffn", ffn));
+  TM_TRY(check_down_args(fn, qtype, "w_down_sh", w_down_sh, "act_sh", act_sh, "gate_inp_sh", gate_inp_sh, h, x,
+                         n_tokens, 1, 0, 1, 1, hidden, "ffn_sh", ffn_sh));
+  TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
+                         0, top_k, n_experts, hidden, "ffn", ffn));
   TM_TRY(check_ptr(fn, "ids", ids));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, ffn_sh, w_down, act, ids,
                     weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
