@@ -92,6 +92,37 @@ def test_forced_small_limits_give_the_same_bits(limits: None, smem: int, grid_yz
         assert torch.equal(value, limited[name]), f"{name} changed under limits smem={smem} grid_yz={grid_yz}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("n_experts,top_k", [(60, 4), (64, 8), (33, 3)])
+def test_router_shortcut_is_the_chunked_router_bitwise(limits: None, normalize: bool, n_experts: int,
+                                                       top_k: int) -> None:
+    """Up to 64 experts in one chunk take warp 0's shortcut; a shared-memory cap that leaves room for chunks
+    of 32 experts only forces the block passes over two or more chunks: the same ids and weights, bit for
+    bit."""
+    n_tokens, hidden = 3, 2048
+    gen = torch.Generator().manual_seed(n_experts)
+    w_router = (torch.randn(n_experts, hidden, generator=gen) * 0.05).cuda()
+    w_router[1] = w_router[0]  # a tie: the lower id first, in both
+    x = torch.randn(n_tokens, hidden, generator=gen).cuda()
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).cuda()
+    results = []
+    for smem in (0, 8600):  # 8600 bytes: h (8 KB) and the scratch of one 32-expert chunk
+        K.set_launch_limits_for_testing(smem, 0)
+        h = torch.full((n_tokens, hidden), float("nan"), device="cuda")
+        ids = torch.full((n_tokens, top_k), -1, dtype=torch.int32, device="cuda")
+        wts = torch.full((n_tokens, top_k), float("nan"), device="cuda")
+        K.rmsnorm_router_topk(x, norm_w, 1e-6, h, w_router, ids, wts, n_tokens, n_experts, hidden, top_k,
+                              normalize)
+        results.append((h, ids, wts))
+    K.set_launch_limits_for_testing(0, 0)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    ids = results[0][1]
+    assert (ids >= 0).all() and not torch.isnan(results[0][2]).any()
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+
+
 def grouped_gate_up(
     w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:

@@ -15,7 +15,8 @@
  *   pass 3: p = exp(logit - M) / Z; the running top-k list is merged with the chunk by top_k rounds of a block
  *           arg-best under the strict total order (p descending, NaN lowest, then expert id ascending), each round
  *           taking the best candidate ranked after the previous pick.
- * With one chunk the logits are computed once; with several (thousands of experts or a small test cap) every
+ * One chunk of at most 64 experts takes a shortcut with the same arithmetic: warp 0 of block 0 runs the three
+ * passes in registers (see the kernel). With one chunk the logits are computed once; with several (thousands of experts or a small test cap) every
  * pass recomputes them chunk by chunk. Chunks start at multiples of C (itself a multiple of 32), so every
  * reduction has the same order whatever C is: the result does not depend on the limits. Outputs in pick order
  * (descending p): ids[t, i], weights[t, i] = p, or p / S with S the serial sum of the picked p when normalizing.
@@ -177,6 +178,75 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   };
   auto chunk_len = [&](int64_t c) { return n_experts - c * chunk < chunk ? n_experts - c * chunk : chunk; };
 
+  // Outputs in pick order (thread 0 of block 0, from s.list).
+  auto write_outputs = [&]() {
+    float sum = 0.0f;
+    if (normalize)
+      for (int64_t r = 0; r < top_k; ++r) sum = __fadd_rn(sum, s.list[r].p);
+    for (int64_t r = 0; r < top_k; ++r) {
+      ids[t * top_k + r] = s.list[r].id;
+      weights[t * top_k + r] = normalize ? __fdiv_rn(s.list[r].p, sum) : s.list[r].p;
+    }
+  };
+
+  // ---- one chunk of at most 64 experts (qwen2moe's 60): warp 0 of block 0 runs passes 1-3 in registers, lane l
+  // holding experts l and 32 + l: the same operations on the same values as the block passes below (the max is
+  // order-free, group sums are the same warp_sum, Z the same serial sum, p the same expression, and the picks
+  // are unique under the strict order), so the same bits, without the block's ~15 barriers.
+  if (n_chunks == 1 && n_experts <= 64) {
+    compute_chunk(0, true);
+    cluster.sync();
+    if (rank != 0 || warp != 0) return;  // no remote access to block 0 follows
+    float l[2], e[2], p[2];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int i = lane + 32 * j;
+      l[j] = i < n_experts ? s.buf[i] : -INFINITY;
+      m = fmaxf(m, l[j]);
+    }
+    m = warp_max(m);
+    float z = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      e[j] = lane + 32 * j < n_experts ? expf(__fsub_rn(l[j], m)) : 0.0f;
+      const float gs = warp_sum(e[j]);
+      if (32 * j < n_experts) z = __fadd_rn(z, gs);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(expf(__fsub_rn(l[j], m)), z);
+    float last_key = INFINITY;
+    int last_id = -1;
+    for (int64_t r = 0; r < top_k; ++r) {
+      float bk = -2.0f;
+      int bi = INT_MAX;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int id = lane + 32 * j;
+        const float k = pick_key(p[j]);
+        if (id < n_experts && ranks_before(last_key, last_id, k, id) && ranks_before(k, id, bk, bi)) {
+          bk = k;
+          bi = id;
+        }
+      }
+#pragma unroll
+      for (int mask = 16; mask >= 1; mask >>= 1) {
+        const float ok = __shfl_xor_sync(kFullMask, bk, mask);
+        const int oi = __shfl_xor_sync(kFullMask, bi, mask);
+        if (ranks_before(ok, oi, bk, bi)) {
+          bk = ok;
+          bi = oi;
+        }
+      }
+      const float pw = __shfl_sync(kFullMask, bi < 32 ? p[0] : p[1], bi & 31);
+      if (lane == 0) s.list[r] = Pick{pw, bi};
+      last_key = bk;
+      last_id = bi;
+    }
+    if (lane == 0) write_outputs();
+    return;
+  }
+
   // ---- pass 1: M ----
   if (rank == 0 && threadIdx.x == 0) s.scalars[0] = -INFINITY;
   for (int64_t c = 0; c < n_chunks; ++c) {
@@ -286,15 +356,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
     if (n_chunks > 1) cluster.sync();
   }
 
-  if (rank == 0 && threadIdx.x == 0) {
-    float sum = 0.0f;
-    if (normalize)
-      for (int64_t r = 0; r < top_k; ++r) sum = __fadd_rn(sum, s.list[r].p);
-    for (int64_t r = 0; r < top_k; ++r) {
-      ids[t * top_k + r] = s.list[r].id;
-      weights[t * top_k + r] = normalize ? __fdiv_rn(s.list[r].p, sum) : s.list[r].p;
-    }
-  }
+  if (rank == 0 && threadIdx.x == 0) write_outputs();
 }
 
 template <bool X4, bool V>
