@@ -244,13 +244,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   *xo = acc;
 }
 
-}  // namespace
-}  // namespace tm_cuda
-
-using namespace tm_cuda;
-
-namespace tm_cuda {
-namespace {
 
 // The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
@@ -266,8 +259,58 @@ int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up
   return TM_OK;
 }
 
+// The checks and the layout of one down weight set; gate_mode from gate_inp (nullable) and h.
+int down_args(const char* fn, int qtype, const void* w_down, const float* act, const int32_t* ids,
+              const float* weights, const float* gate_inp, const float* h, int64_t top_k, int64_t n_experts,
+              int64_t hidden, int64_t ffn, DownArgs* a, int* gate_mode, bool* v) {
+  TM_TRY(check_weight_alignment(fn, "w_down", qtype, w_down));
+  TM_TRY(check_f32_alignment(fn, "act", act));
+  TM_TRY(check_f32_alignment(fn, "weights", weights));
+  TM_TRY(check_f32_alignment(fn, "gate_inp", gate_inp));
+  TM_TRY(check_f32_alignment(fn, "h", h));
+  const Fmt f = fmt_for(qtype, ffn);
+  *a = DownArgs{static_cast<const uint8_t*>(w_down), act, ids, weights, top_k, n_experts, hidden, ffn,
+                tm_qtype_row_bytes(qtype, ffn), ffn / fmt_vals(f)};
+  *gate_mode = kGateNone;
+  if (gate_inp != nullptr) {
+    if (hidden % 4 != 0)
+      *gate_mode = kGateF32;
+    else
+      *gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
+  }
+  *v = fmt_vector_ok(f, w_down, aligned(act, 16));
+  return TM_OK;
+}
+
+int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs& a, bool v, const float* gate_inp,
+                    const float* h, float* x, int64_t n_tokens, int64_t slot_begin, int64_t slot_count,
+                    int gate_mode, cudaStream_t s) {
+  const int64_t gx = ceil_div(a.hidden, kRowsPerBlock);
+  if (gx > lim.max_grid_x)
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
+                        static_cast<long long>(a.hidden));
+  return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
+    constexpr Fmt F = decltype(ftag)::value;
+    constexpr bool V = decltype(vtag)::value;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+      const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                    dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
+    }
+    return TM_OK;
+  });
+}
+
+// Row layouts one experts_down_kernel instantiation may pair (the shared and routed rows differ in length, so a
+// tiled format may differ in load width; any other format must match): the other pairs take two launches.
+constexpr bool down_pair_ok(Fmt s, Fmt r) {
+  return s == r || ((s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16));
+}
+
 }  // namespace
 }  // namespace tm_cuda
+
+using namespace tm_cuda;
 
 extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
                                    float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
@@ -327,60 +370,6 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
     return TM_OK;
   });
 }
-
-namespace tm_cuda {
-namespace {
-
-// The checks and the layout of one down weight set; gate_mode from gate_inp (nullable) and h.
-int down_args(const char* fn, int qtype, const void* w_down, const float* act, const int32_t* ids,
-              const float* weights, const float* gate_inp, const float* h, int64_t top_k, int64_t n_experts,
-              int64_t hidden, int64_t ffn, DownArgs* a, int* gate_mode, bool* v) {
-  TM_TRY(check_weight_alignment(fn, "w_down", qtype, w_down));
-  TM_TRY(check_f32_alignment(fn, "act", act));
-  TM_TRY(check_f32_alignment(fn, "weights", weights));
-  TM_TRY(check_f32_alignment(fn, "gate_inp", gate_inp));
-  TM_TRY(check_f32_alignment(fn, "h", h));
-  const Fmt f = fmt_for(qtype, ffn);
-  *a = DownArgs{static_cast<const uint8_t*>(w_down), act, ids, weights, top_k, n_experts, hidden, ffn,
-                tm_qtype_row_bytes(qtype, ffn), ffn / fmt_vals(f)};
-  *gate_mode = kGateNone;
-  if (gate_inp != nullptr) {
-    if (hidden % 4 != 0)
-      *gate_mode = kGateF32;
-    else
-      *gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
-  }
-  *v = fmt_vector_ok(f, w_down, aligned(act, 16));
-  return TM_OK;
-}
-
-int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs& a, bool v, const float* gate_inp,
-                    const float* h, float* x, int64_t n_tokens, int64_t slot_begin, int64_t slot_count,
-                    int gate_mode, cudaStream_t s) {
-  const int64_t gx = ceil_div(a.hidden, kRowsPerBlock);
-  if (gx > lim.max_grid_x)
-    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
-                        static_cast<long long>(a.hidden));
-  return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
-    constexpr Fmt F = decltype(ftag)::value;
-    constexpr bool V = decltype(vtag)::value;
-    for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
-      const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                    dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
-    }
-    return TM_OK;
-  });
-}
-
-// Row layouts one experts_down_kernel instantiation may pair (the shared and routed rows differ in length, so a
-// tiled format may differ in load width; any other format must match): the other pairs take two launches.
-constexpr bool down_pair_ok(Fmt s, Fmt r) {
-  return s == r || ((s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16));
-}
-
-}  // namespace
-}  // namespace tm_cuda
 
 extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,
                                            const float* weights, const float* gate_inp, const float* h, float* x,

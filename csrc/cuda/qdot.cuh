@@ -15,12 +15,12 @@
  *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
  *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
  *
- * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned; Q8_0 rows
- * re-laid out as TM_Q8_0_TILED are read with 8-byte loads, see warp_dot_q8t), fp16/bf16/f32
- * rows in the x4 layouts as 8/16-byte vectors when the pointers allow (template flag V; same arithmetic either
- * way), activations as float4 when 16-byte aligned (V) else as four floats, with plain loads (they may come from
- * the previous kernel of the stream, or from shared memory). Weight loads of U steps are issued
- * before any of them is used, to keep enough bytes in flight for a memory-bound matrix-vector product.
+ * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned); Q8_0 rows
+ * re-laid out as TM_Q8_0_TILED with 16- and 8-byte loads (warp_dot_q8t); fp16/bf16/f32 rows in the x4 layouts as
+ * 8/16-byte vectors when the pointers allow (template flag V; same arithmetic either way); activations as float4
+ * when 16-byte aligned (V) else as four floats, with plain loads (they may come from the previous kernel of the
+ * stream, or from shared memory). Weight loads of U steps are issued before any of them is used, to keep enough
+ * bytes in flight for a memory-bound matrix-vector product.
  */
 #ifndef TORNADO_MOE_CUDA_QDOT_CUH
 #define TORNADO_MOE_CUDA_QDOT_CUH
@@ -494,8 +494,9 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   SX (shared x): every row is multiplied with the same NT activation vectors x[0..NT) (matmul token tiles,
 //                  gate+up pairs); otherwise NT must be 1 and row r is multiplied with its own x[r] (the slots of
 //                  a down projection).
-//   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32, row length
-//              nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same on all lanes.
+//   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
+//              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
+//              on all lanes.
 template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {

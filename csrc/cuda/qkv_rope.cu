@@ -19,9 +19,15 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
+// Blocks per SM the kernel is compiled for: 2 for tiled rows (the H200 tuning runs, results/NOTES.md); 0, the
+// compiler's own choice, for the others (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 2
 #endif
+template <Fmt F>
+constexpr int qkv_min_blocks() {
+  return F == Fmt::Q8_0T || F == Fmt::Q8_0T16 ? TM_QKV_MIN_BLOCKS : 0;
+}
 
 struct QkvArgs {
   const float* x;
@@ -38,7 +44,7 @@ struct QkvArgs {
 };
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kNormThreads, TM_QKV_MIN_BLOCKS) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
+__global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
   extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, then the norm scratch
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;

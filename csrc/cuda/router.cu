@@ -16,8 +16,8 @@
  *           arg-best under the strict total order (p descending, NaN lowest, then expert id ascending), each round
  *           taking the best candidate ranked after the previous pick.
  * One chunk of at most 64 experts takes a shortcut with the same arithmetic: warp 0 of block 0 runs the three
- * passes in registers (see the kernel). With one chunk the logits are computed once; with several (thousands of experts or a small test cap) every
- * pass recomputes them chunk by chunk. Chunks start at multiples of C (itself a multiple of 32), so every
+ * passes in registers (see the kernel). With one chunk the logits are computed once; with several (thousands of
+ * experts or a small test cap) every pass recomputes them chunk by chunk. Chunks start at multiples of C (itself a multiple of 32), so every
  * reduction has the same order whatever C is: the result does not depend on the limits. Outputs in pick order
  * (descending p): ids[t, i], weights[t, i] = p, or p / S with S the serial sum of the picked p when normalizing.
  * Before pdl_wait each warp prefetches its first router rows into L2.

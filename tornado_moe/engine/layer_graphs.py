@@ -124,10 +124,10 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         sfx = "_shexp" if cfg.shared_ffn else ""
         dffn = cfg.shared_ffn or cfg.dense_ffn
         sg, su, sd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
-        s_gate = _f32(L, "ffn_gate_inp_shexp")
+        s_qt, s_gate = _same_format(sg, su), _f32(L, "ffn_gate_inp_shexp")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        gate_ups.append((f"{label}_gate_up", "moe_gate_up", _same_format(sg, su), sg.data, su.data, act.h,
-                         None, act.act_dense, T, 1, 0, 1, 1, dffn, H))
+        gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, act.h, None, act.act_dense,
+                         T, 1, 0, 1, 1, dffn, H))
         downs.append((f"{label}_down", "moe_down_accumulate", sd.qtype, sd.data, act.act_dense, None, None,
                       s_gate, act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
@@ -142,7 +142,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
                    s0, n, E, H, ffn) for _, name, s0, n in shapes]
         # Fused, with a shared expert of the same formats: its launches join the routed ones (same bits).
-        if fuse_experts and cfg.shared_ffn and gate_ups[0][2] == qt:
+        if fuse_experts and cfg.shared_ffn and s_qt == qt:
             gate_ups = [("experts_gate_up_swiglu", "experts_gate_up", qt, sg.data, su.data, act.act_dense,
                          dffn, wg.data, wu.data, act.h, ids, act.act, T, k, E, ffn, H)]
         if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:
