@@ -126,8 +126,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         sg, su, sd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
         s_qt, s_gate = _same_format(sg, su), _f32(L, "ffn_gate_inp_shexp")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, act.h, None, act.act_dense,
-                         T, 1, 0, 1, 1, dffn, H))
+        gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, act.h, None,
+                         act.act_dense, T, 1, 0, 1, 1, dffn, H))
         downs.append((f"{label}_down", "moe_down_accumulate", sd.qtype, sd.data, act.act_dense, None, None,
                       s_gate, act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
