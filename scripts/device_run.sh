@@ -28,9 +28,10 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$ROOT:$ROOT/tests
 
-configure() {  # source dir, build dir, log
+configure() {  # source dir, build dir, log[, extra nvcc flags]
   cmake -S "$1" -B "$2" -G Ninja -DPython_EXECUTABLE="$(command -v $PY)" -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$3" 2>&1 && cmake --build "$2" -j16 >> "$3" 2>&1
+    ${4:+"-DCMAKE_CUDA_FLAGS=$4"} -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$3" 2>&1 \
+    && cmake --build "$2" -j16 >> "$3" 2>&1
 }
 if want build; then
   stamp build
@@ -72,10 +73,7 @@ if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per e
   for t in "${TUNES[@]}"; do
     name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
     rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude=./.baseline --exclude=./.whl . | tar -x -C "$dir"
-    (configure_flags() { cmake -S "$dir" -B "$dir/build" -G Ninja -DPython_EXECUTABLE="$(command -v $PY)" \
-       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS="$flags" -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" \
-       > "$OUT/build_$name.log" 2>&1 && cmake --build "$dir/build" -j16 >> "$OUT/build_$name.log" 2>&1; }
-     configure_flags) &
+    configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags" &
   done
   wait
   for t in "${TUNES[@]}"; do

@@ -30,6 +30,13 @@ def _logits_trace(engine: Engine, tokens: list[int]) -> tuple[list[int], np.ndar
     return nxt, np.stack(rows), engine.hidden_state().cpu().numpy().copy()
 
 
+def assert_same_trace(a: tuple, b: tuple) -> None:
+    """Two _logits_trace results: the same next tokens, and bitwise the same logits and final hidden state."""
+    assert a[0] == b[0]
+    assert a[1].tobytes() == b[1].tobytes()
+    assert a[2].tobytes() == b[2].tobytes()
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     return load_model(tiny_model_path)
@@ -49,9 +56,7 @@ def test_tiny_logits_match_float64_reference(tiny, device: str) -> None:
 def test_fused_and_per_slot_are_bitwise_identical(tiny, device: str) -> None:
     fused = _logits_trace(Engine(tiny, EngineOptions(device=device, fuse_experts=True)), PROMPT)
     per_slot = _logits_trace(Engine(tiny, EngineOptions(device=device, fuse_experts=False)), PROMPT)
-    assert fused[0] == per_slot[0]
-    assert fused[1].tobytes() == per_slot[1].tobytes()
-    assert fused[2].tobytes() == per_slot[2].tobytes()
+    assert_same_trace(fused, per_slot)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -152,7 +157,4 @@ def test_tiled_weights_are_bitwise_the_gguf_layout(tiny, cuda_graphs: bool) -> N
     assert len(q8) >= 7  # attention q, k, v, o and the expert matrices
     assert all(tiled.weights.layers[0][k].qtype == Q8_0_TILED for k in q8)
     assert (tiled.weights.output.qtype, gguf_layout.weights.output.qtype) == (Q8_0_TILED, 8)
-    a, b = _logits_trace(tiled, PROMPT), _logits_trace(gguf_layout, PROMPT)
-    assert a[0] == b[0]
-    assert a[1].tobytes() == b[1].tobytes()
-    assert a[2].tobytes() == b[2].tobytes()
+    assert_same_trace(_logits_trace(tiled, PROMPT), _logits_trace(gguf_layout, PROMPT))

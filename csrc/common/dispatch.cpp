@@ -145,9 +145,8 @@ int check_gate_up_args(const char* fn, int qtype, const char* gate_name, const v
 // tm_experts_down_accumulate).
 int check_down_args(const char* fn, int qtype, const char* w_name, const void* w_down, const char* act_name,
                     const void* act, const char* gate_name, const void* gate_inp, const void* h, const void* x,
-                    int64_t n_tokens,
-                    int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t hidden,
-                    const char* ffn_name, int64_t ffn) {
+                    int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
+                    int64_t hidden, const char* ffn_name, int64_t ffn) {
   TM_TRY(check_qtype(fn, qtype));
   TM_TRY(check_ptr(fn, w_name, w_down));
   TM_TRY(check_ptr(fn, act_name, act));

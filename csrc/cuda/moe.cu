@@ -196,11 +196,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 }
 
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
-// computes the shared expert's dot product for row r0 + w (after the gate, which each of them computes: the same
-// bits), warp kSplitRows + w the routed
-// slots' for the same row (slot groups as moe_down_kernel), into shared memory; after one barrier lane 0 of warp
-// w adds them to x[t, r0 + w] in the order of the two launches this replaces: the shared term, then the slots in
-// order, each a rounded multiply then a rounded add, from the float32 x read once.
+// computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits),
+// warp kSplitRows + w the routed slots' terms for the same row (slot groups as moe_down_kernel), into shared
+// memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the two launches this
+// replaces: the shared term, then the slots in order, each a rounded multiply then a rounded add, from the
+// float32 x read once.
 constexpr int kSplitRows = kRowsPerBlock / 2;
 
 template <Fmt FS, bool VS, Fmt FR, bool VR>
@@ -243,7 +243,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[row * rt.top_k + s]);
   *xo = acc;
 }
-
 
 // The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,

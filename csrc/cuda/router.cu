@@ -86,9 +86,8 @@ __device__ __forceinline__ RouterSmem router_smem(unsigned char* base, int64_t c
   return s;
 }
 
-// Block-wide best (key, id) under ranks_before; every thread returns the winner.
-__device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int& id) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Warp-wide best (key, id) under ranks_before; every lane returns the winner (unique: the order is total).
+__device__ __forceinline__ void warp_best(float& key, int& id) {
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) {
     const float ok = __shfl_xor_sync(kFullMask, key, m);
@@ -98,6 +97,12 @@ __device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int&
       id = oi;
     }
   }
+}
+
+// Block-wide best (key, id) under ranks_before; every thread returns the winner.
+__device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int& id) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  warp_best(key, id);
   if (lane == 0) {
     s.red_key[warp] = key;
     s.red_id[warp] = id;
@@ -229,15 +234,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
           bi = id;
         }
       }
-#pragma unroll
-      for (int mask = 16; mask >= 1; mask >>= 1) {
-        const float ok = __shfl_xor_sync(kFullMask, bk, mask);
-        const int oi = __shfl_xor_sync(kFullMask, bi, mask);
-        if (ranks_before(ok, oi, bk, bi)) {
-          bk = ok;
-          bi = oi;
-        }
-      }
+      warp_best(bk, bi);
       const float pw = __shfl_sync(kFullMask, bi < 32 ? p[0] : p[1], bi & 31);
       if (lane == 0) s.list[r] = Pick{pw, bi};
       last_key = bk;

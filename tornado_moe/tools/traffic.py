@@ -45,6 +45,32 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _expert_share(T: int, ids: torch.Tensor | None, slots: int, n_experts: int) -> float:
+    """The part of an expert stack a launch reads: all without ids, else the experts T * slots can pick."""
+    return 1.0 if ids is None else min(T * slots, n_experts) / n_experts
+
+
+def _gate_up_bytes(T: int, w_gate: torch.Tensor, w_up: torch.Tensor, ids: torch.Tensor | None, slots: int,
+                   n_experts: int, ffn: int, hidden: int) -> TaskBytes:
+    w = _expert_share(T, ids, slots, n_experts) * (_nbytes(w_gate) + _nbytes(w_up))
+    act = F32 * T * hidden + F32 * T * slots * ffn + (I32 * T * slots if ids is not None else 0)
+    return TaskBytes(w, act)
+
+
+def _down_bytes(T: int, w_down: torch.Tensor, ids: torch.Tensor | None, weights: torch.Tensor | None,
+                gate_inp: torch.Tensor | None, slots: int, n_experts: int, ffn: int, hidden: int
+                ) -> TaskBytes:
+    w = _expert_share(T, ids, slots, n_experts) * _nbytes(w_down) + _nbytes(gate_inp)
+    act = F32 * T * slots * ffn + 2 * F32 * T * hidden  # activations read; x read and written
+    if gate_inp is not None:
+        act += F32 * T * hidden  # h
+    if weights is not None:
+        act += F32 * T * slots
+    if ids is not None:
+        act += I32 * T * slots
+    return TaskBytes(w, act)
+
+
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
     names = KERNEL_ARGS.get(task.kernel)
@@ -79,36 +105,22 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "rmsnorm_router_topk":
         io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]  # x read, h written, picks written
         return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]), io)
-    if k == "experts_gate_up":
-        share = min(T * a["top_k"], a["n_experts"]) / a["n_experts"]
-        w = _nbytes(a["w_gate_sh"]) + _nbytes(a["w_up_sh"])
-        w += share * (_nbytes(a["w_gate"]) + _nbytes(a["w_up"]))
-        act = F32 * T * (a["hidden"] + a["ffn_sh"] + a["top_k"] * a["ffn"]) + I32 * T * a["top_k"]
-        return TaskBytes(w, act)
-    if k == "experts_down_accumulate":
-        share = min(T * a["top_k"], a["n_experts"]) / a["n_experts"]
-        w = _nbytes(a["w_down_sh"]) + _nbytes(a["gate_inp_sh"]) + share * _nbytes(a["w_down"])
-        act = F32 * T * (a["ffn_sh"] + a["top_k"] * a["ffn"]) + 2 * F32 * T * a["hidden"]  # x read, written
-        act += (F32 + I32) * T * a["top_k"]  # weights, ids
-        if a["gate_inp_sh"] is not None:
-            act += F32 * T * a["hidden"]  # h
-        return TaskBytes(w, act)
-    if k in ("moe_gate_up", "moe_down_accumulate"):
-        slots, E = a["slot_count"], a["n_experts"]
-        share = 1.0 if a["ids"] is None else min(T * slots, E) / E
-        if k == "moe_gate_up":
-            w = share * (_nbytes(a["w_gate"]) + _nbytes(a["w_up"]))
-            act = F32 * T * a["hidden"] + F32 * T * slots * a["ffn"]
-        else:
-            w = share * _nbytes(a["w_down"]) + _nbytes(a["gate_inp"])
-            act = F32 * T * slots * a["ffn"] + 2 * F32 * T * a["hidden"]
-            if a["gate_inp"] is not None:
-                act += F32 * T * a["hidden"]
-            if a["weights"] is not None:
-                act += F32 * T * slots
-        if a["ids"] is not None:
-            act += I32 * T * slots
-        return TaskBytes(w, act)
+    if k == "moe_gate_up":
+        return _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["slot_count"], a["n_experts"], a["ffn"],
+                              a["hidden"])
+    if k == "moe_down_accumulate":
+        return _down_bytes(T, a["w_down"], a["ids"], a["weights"], a["gate_inp"], a["slot_count"],
+                           a["n_experts"], a["ffn"], a["hidden"])
+    if k == "experts_gate_up":  # both halves, h read once
+        sh = _gate_up_bytes(T, a["w_gate_sh"], a["w_up_sh"], None, 1, 1, a["ffn_sh"], a["hidden"])
+        rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
+                            a["hidden"])
+        return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - F32 * T * a["hidden"])
+    if k == "experts_down_accumulate":  # both halves, x read and written once
+        sh = _down_bytes(T, a["w_down_sh"], None, None, a["gate_inp_sh"], 1, 1, a["ffn_sh"], a["hidden"])
+        rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
+                         a["hidden"])
+        return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - 2 * F32 * T * a["hidden"])
     if k == "argmax":
         return TaskBytes(0, F32 * T * a["vocab"] + I32 * T)
     if k == "sample":
