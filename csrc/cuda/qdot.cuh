@@ -283,20 +283,15 @@ struct FmtTraits<Fmt::F32X4> {
   }
 };
 
-// Registers per lane that warp_dot_q8t fills with one batch of loads, and the most it may hold for two batches
-// (tuning knobs, see results/NOTES.md). Within that budget the reader is software-pipelined: the loads of batch
-// b + 1 are in flight while batch b is multiplied, so a warp always has bytes on the way (a row of 2048 values is
-// only 4 groups: without the pipeline each group's latency and each group's arithmetic alternate).
+// Registers per lane that warp_dot_q8t fills with one batch of loads, for shared activations (matmul, gate-up)
+// and for per-row ones (the down projections) (tuning knobs, see results/NOTES.md). A down kernel's registers are
+// set by its 4-slot dot (4 rows of 6 registers per group), so its 1- and 2-row dots (the shared expert's 5632-value
+// rows) may fill as many per batch: fewer round trips per row at no cost in occupancy.
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
 #endif
-#ifndef TM_Q8T_PIPE_REGS
-#define TM_Q8T_PIPE_REGS 24
-#endif
-// 1: a full group's 4 steps run without branches, so the compiler may issue their activation loads together (more
-// registers, fewer blocks per SM); 0: every step checks the group width (tuning knob, see results/NOTES.md).
-#ifndef TM_Q8T_BATCH_X
-#define TM_Q8T_BATCH_X 0
+#ifndef TM_Q8T_ROW_X_LOAD_REGS
+#define TM_Q8T_ROW_X_LOAD_REGS 24
 #endif
 
 template <class T>
@@ -308,15 +303,16 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
 // the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
 // the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
 // bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
-// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are issued together, and with kPipe the
-// next batch's loads before this batch's arithmetic. Only the timing of the loads differs between the variants.
+// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
+// The batches are not software-pipelined on purpose: a warp's loads return in order, so the next batch's weight
+// loads (DRAM) would hold back this batch's activation loads (L1 hits) and slowed every kernel (results/NOTES.md,
+// v4f); more warps per SM hide the latency instead, so the reader keeps few registers live.
 template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
   using T = FmtTraits<Fmt::Q8_0>;
-  constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
+  constexpr int kFit = (SX ? TM_Q8T_LOAD_REGS : TM_Q8T_ROW_X_LOAD_REGS) / (6 * NR);  // 6 per group and row
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
-  constexpr bool kPipe = 2 * 6 * NR * kGroups <= TM_Q8T_PIPE_REGS;
   const int lane = threadIdx.x & 31, sub = lane >> 3, part = lane & 7;
   const int64_t nsteps = nblocks / 4, ngroups = nsteps / 4;
   const int tail = static_cast<int>(nsteps % 4);
@@ -346,13 +342,11 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
     }
   };
 
-  // A batch: kGroups groups from group g0 on, the tail group (tail < 4 steps, if any) counted as one more and
-  // filling the same registers (the first `tail` words).
-  struct Batch {
-    uint2 c[kGroups][NR][2], sc[kGroups][NR];
-  };
+  // Batches of kGroups groups, the tail group (tail < 4 steps, if any) counted as one more: all loads of a batch
+  // are issued before the first use. A tail group fills the same registers (the first `tail` words).
   const int64_t ngroups_all = ngroups + (tail > 0 ? 1 : 0);
-  auto load = [&](Batch& b, int64_t g0) {
+  for (int64_t g0 = 0; g0 < ngroups_all; g0 += kGroups) {
+    uint2 c[kGroups][NR][2], sc[kGroups][NR];
 #pragma unroll
     for (int v = 0; v < kGroups; ++v) {
       const int64_t g = g0 + v;
@@ -362,17 +356,19 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
           const uint8_t* code = w[r] + g * 512 + 16 * lane;
           if constexpr (W16) {
             const uint4 q = ldg_vec<uint4>(code);
-            b.c[v][r][0] = make_uint2(q.x, q.y);
-            b.c[v][r][1] = make_uint2(q.z, q.w);
+            c[v][r][0] = make_uint2(q.x, q.y);
+            c[v][r][1] = make_uint2(q.z, q.w);
           } else {
-            b.c[v][r][0] = ldg_vec<uint2>(code);
-            b.c[v][r][1] = ldg_vec<uint2>(code + 8);
+            c[v][r][0] = ldg_vec<uint2>(code);
+            c[v][r][1] = ldg_vec<uint2>(code + 8);
           }
-          b.sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
+          sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
         }
       } else if (g == ngroups && tail > 0) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
+          // Two pointers per row, formed here: the compiler would otherwise keep one per word and row live
+          // through the whole row (loop-invariant), registers that rows without a tail never use.
           const uint8_t* code = w[r] + g * 512 + 4 * tail * lane;
           const uint8_t* scale = w[r] + scales + g * 32 + 2 * tail * sub;
           uint32_t q[3] = {0, 0, 0}, d[3] = {0, 0, 0};
@@ -383,62 +379,30 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
               d[u] = ldg_u16(scale + 2 * u);
             }
           }
-          b.c[v][r][0] = make_uint2(q[0], q[1]);
-          b.c[v][r][1] = make_uint2(q[2], 0u);
-          b.sc[v][r] = make_uint2(d[0] | (d[1] << 16), d[2]);
+          c[v][r][0] = make_uint2(q[0], q[1]);
+          c[v][r][1] = make_uint2(q[2], 0u);
+          sc[v][r] = make_uint2(d[0] | (d[1] << 16), d[2]);
         }
       }
     }
-  };
-  // The first `width` steps of group v of a batch (width 4 is a constant for full groups: no branches between
-  // their steps, so their activation loads can be scheduled together).
-  auto use_group = [&](const Batch& b, int v, int64_t g, int width) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (u < width) {
-        uint32_t q[NR], d[NR];
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = b.c[v][r][u >> 1];
-          q[r] = (u & 1) ? cw.y : cw.x;
-          const uint32_t sw = (u >> 1) ? b.sc[v][r].y : b.sc[v][r].x;
-          d[r] = (u & 1) ? sw >> 16 : sw & 0xFFFFu;
-        }
-        step(g * 4 + u, q, d);
-      }
-    }
-  };
-  auto use = [&](const Batch& b, int64_t g0) {
 #pragma unroll
     for (int v = 0; v < kGroups; ++v) {
       const int64_t g = g0 + v;
-      if constexpr (TM_Q8T_BATCH_X) {
-        if (g < ngroups)
-          use_group(b, v, g, 4);
-        else if (g == ngroups)
-          use_group(b, v, g, tail);
-      } else {
-        use_group(b, v, g, g < ngroups ? 4 : (g == ngroups ? tail : 0));
+      const int width = g < ngroups ? 4 : (g == ngroups ? tail : 0);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (u < width) {
+          uint32_t q[NR], d[NR];
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            const uint2 cw = c[v][r][u >> 1];
+            q[r] = (u & 1) ? cw.y : cw.x;
+            const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+            d[r] = (u & 1) ? sw >> 16 : sw & 0xFFFFu;
+          }
+          step(g * 4 + u, q, d);
+        }
       }
-    }
-  };
-
-  if constexpr (kPipe) {  // two batches alternate: one in flight while the other is used
-    Batch b0, b1;
-    if (ngroups_all > 0) load(b0, 0);
-    for (int64_t g0 = 0; g0 < ngroups_all; g0 += 2 * kGroups) {
-      const int64_t g1 = g0 + kGroups;
-      if (g1 < ngroups_all) load(b1, g1);
-      use(b0, g0);
-      if (g1 >= ngroups_all) break;
-      if (g1 + kGroups < ngroups_all) load(b0, g1 + kGroups);
-      use(b1, g1);
-    }
-  } else {
-    for (int64_t g0 = 0; g0 < ngroups_all; g0 += kGroups) {
-      Batch b;
-      load(b, g0);
-      use(b, g0);
     }
   }
 #pragma unroll
