@@ -283,15 +283,9 @@ struct FmtTraits<Fmt::F32X4> {
   }
 };
 
-// Registers per lane that warp_dot_q8t fills with one batch of loads, for shared activations (matmul, gate-up)
-// and for per-row ones (the down projections) (tuning knobs, see results/NOTES.md). A down kernel's registers are
-// set by its 4-slot dot (4 rows of 6 registers per group), so its 1- and 2-row dots (the shared expert's 5632-value
-// rows) may fill as many per batch: fewer round trips per row at no cost in occupancy.
+// Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
-#endif
-#ifndef TM_Q8T_ROW_X_LOAD_REGS
-#define TM_Q8T_ROW_X_LOAD_REGS 24
 #endif
 
 template <class T>
@@ -311,7 +305,7 @@ template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
   using T = FmtTraits<Fmt::Q8_0>;
-  constexpr int kFit = (SX ? TM_Q8T_LOAD_REGS : TM_Q8T_ROW_X_LOAD_REGS) / (6 * NR);  // 6 per group and row
+  constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31, sub = lane >> 3, part = lane & 7;
   const int64_t nsteps = nblocks / 4, ngroups = nsteps / 4;
