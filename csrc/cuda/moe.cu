@@ -139,20 +139,15 @@ __device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_
   return acc;
 }
 
-// Slots per down dot product (4 or 2; a tuning knob, see results/NOTES.md): more slots keep more loads in flight
-// per warp, fewer need fewer registers (more blocks per SM). Each slot's dot is the same either way.
-#ifndef TM_DOWN_SLOT_GROUP
-#define TM_DOWN_SLOT_GROUP 4
-#endif
-static_assert(TM_DOWN_SLOT_GROUP == 4 || TM_DOWN_SLOT_GROUP == 2, "TM_DOWN_SLOT_GROUP is 4 or 2");
-
-// Calls fn(s, n) for the slot groups of [begin, end): TM_DOWN_SLOT_GROUP at a time, then a two, then a one.
+// Calls fn(s, n) for the slot groups of [begin, end): fours, then a two, then a one.
 template <class Fn>
 __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&& fn) {
   int64_t s = begin;
-  if constexpr (TM_DOWN_SLOT_GROUP == 4)
-    for (; end - s >= 4; s += 4) fn(s, std::integral_constant<int, 4>{});
-  for (; end - s >= 2; s += 2) fn(s, std::integral_constant<int, 2>{});
+  for (; end - s >= 4; s += 4) fn(s, std::integral_constant<int, 4>{});
+  if (end - s >= 2) {
+    fn(s, std::integral_constant<int, 2>{});
+    s += 2;
+  }
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
