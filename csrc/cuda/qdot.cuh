@@ -298,9 +298,9 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
 // the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
 // bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
 // loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
-// The batches are not software-pipelined on purpose: a warp's loads return in order, so the next batch's weight
-// loads (DRAM) would hold back this batch's activation loads (L1 hits) and slowed every kernel (results/NOTES.md,
-// v4f); more warps per SM hide the latency instead, so the reader keeps few registers live.
+// The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
+// the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
+// slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
 template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
