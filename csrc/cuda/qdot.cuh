@@ -283,6 +283,28 @@ struct FmtTraits<Fmt::F32X4> {
   }
 };
 
+// One dot-product step: lane fragments f[r] of block `blk` of each row, multiplied with the activations of that
+// block (shared x[t], or x[r] per row) into acc. Every reader below goes through this, so all of them add the
+// same operands in the same order.
+template <class T, int NR, int NT, bool SX, bool V>
+__device__ __forceinline__ void dot_step(float (&acc)[NR][NT], const typename T::Frag (&f)[NR],
+                                         const float* const (&x)[SX ? NT : NR], int64_t blk, int part) {
+  if constexpr (SX) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * T::kVals, part);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(f[r], xf, acc[r][t]);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * T::kVals, part);
+      acc[r][0] = T::dot(f[r], xf, acc[r][0]);
+    }
+  }
+}
+
 // Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
@@ -317,25 +339,6 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   for (int r = 0; r < NR; ++r)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
-  // Step s of the row with lane words q[r] and scales d[r]: Q8_0's step, operand for operand.
-  auto step = [&](int64_t s, const uint32_t (&q)[NR], const uint32_t (&d)[NR]) {
-    const int64_t blk = s * 4 + sub;
-    if constexpr (SX) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * 32, part);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(typename T::Frag{q[r], d[r]}, xf, acc[r][t]);
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * 32, part);
-        acc[r][0] = T::dot(typename T::Frag{q[r], d[r]}, xf, acc[r][0]);
-      }
-    }
-  };
-
   // Batches of kGroups groups, the tail group (tail < 4 steps, if any) counted as one more: all loads of a batch
   // are issued before the first use. A tail group fills the same registers (the first `tail` words).
   const int64_t ngroups_all = ngroups + (tail > 0 ? 1 : 0);
@@ -386,15 +389,14 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         if (u < width) {
-          uint32_t q[NR], d[NR];
+          typename T::Frag f[NR];  // step g * 4 + u: Q8_0's step, operand for operand
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
             const uint2 cw = c[v][r][u >> 1];
-            q[r] = (u & 1) ? cw.y : cw.x;
             const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-            d[r] = (u & 1) ? sw >> 16 : sw & 0xFFFFu;
+            f[r] = typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
           }
-          step(g * 4 + u, q, d);
+          dot_step<T, NR, NT, SX, V>(acc, f, x, (g * 4 + u) * 4 + sub, part);
         }
       }
     }
@@ -441,23 +443,7 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
       for (int r = 0; r < NR; ++r)
         f[u][r] = T::template load<V>(w[r] + (blk0 + u * kBlocksPerStep) * T::kBytes, part);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t blk = blk0 + u * kBlocksPerStep;
-      if constexpr (SX) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * T::kVals, part);
-#pragma unroll
-          for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(f[u][r], xf, acc[r][t]);
-        }
-      } else {
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * T::kVals, part);
-          acc[r][0] = T::dot(f[u][r], xf, acc[r][0]);
-        }
-      }
-    }
+    for (int u = 0; u < kUnroll; ++u) dot_step<T, NR, NT, SX, V>(acc, f[u], x, blk0 + u * kBlocksPerStep, part);
   }
   for (; s0 < nsteps; s0 += kUnroll) {
     typename T::Frag f[kUnroll][NR];
@@ -473,22 +459,7 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t blk = (s0 + u) * kBlocksPerStep + sub;
-      if (blk < nblocks) {
-        if constexpr (SX) {
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const typename T::XFrag xf = T::template loadx<V>(x[t] + blk * T::kVals, part);
-#pragma unroll
-            for (int r = 0; r < NR; ++r) acc[r][t] = T::dot(f[u][r], xf, acc[r][t]);
-          }
-        } else {
-#pragma unroll
-          for (int r = 0; r < NR; ++r) {
-            const typename T::XFrag xf = T::template loadx<V>(x[r] + blk * T::kVals, part);
-            acc[r][0] = T::dot(f[u][r], xf, acc[r][0]);
-          }
-        }
-      }
+      if (blk < nblocks) dot_step<T, NR, NT, SX, V>(acc, f[u], x, blk, part);
     }
   }
 #pragma unroll
