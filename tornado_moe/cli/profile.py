@@ -31,10 +31,13 @@ JSON: {command, date, git_commit, device, gpu_name, model, torch_version, copy_b
        launches_per_token_declared, launches_per_token_measured, launch_counter, launch_counts_agree,
        launch_mismatches, routed_launches_per_layer_declared, graphs: [{graph, launches_declared,
        launches_measured, routed_launches_declared}], step_wall_us, kernel_time_us_per_token,
+       chain_us_per_token,
        bytes_per_token, weight_bytes_per_token, achieved_gb_s, fraction_of_copy_bandwidth,
        floor_us_per_token, by_kind: [...], tasks: [{graph, task, kernel, kind, routed, launches_declared,
-       launches_measured, time_us, kernel_time_us, weight_bytes, activation_bytes, bytes, gb_s,
+       launches_measured, time_us, kernel_time_us, chain_us, weight_bytes, activation_bytes, bytes, gb_s,
        fraction_of_copy_bandwidth}]}]}
+chain_us (GPU only): how much later the step's kernels finish because of this one (its end minus the latest
+earlier end); durations overlap under programmatic dependent launch, chain times add up to the step.
 """
 
 

@@ -10,6 +10,11 @@ decode steps run through one Engine with the plan's profiler on:
   agree; the report names each task where they do not;
 - time per task: the plan profiler's per-launch timing in eager mode (device events on CUDA, the host clock
   on CPU) and, on a GPU, torch.profiler's kernel durations (the only per-task times inside a graph replay);
+- on a GPU, the chain time per task: how much later the step's kernels have all finished because of this
+  one (its end minus the latest end before it, in start order). With programmatic dependent launch a kernel
+  starts while its predecessor drains, so durations overlap and add up to more than the step; chain times
+  add up to the step's kernel span (idle time before a kernel counts as its own) and say where the step's
+  time goes;
 - bytes per task from the task arguments (:mod:`tornado_moe.tools.traffic`) and the achieved GB/s against
   the machine's copy bandwidth measured in the same run (:func:`copy_bandwidth_gb_s`).
 
@@ -41,6 +46,7 @@ __all__ = [
     "graph_kind",
     "profiler_summary_table",
     "copy_bandwidth_gb_s",
+    "chain_times",
     "profile_variant",
     "profile_model",
     "format_report",
@@ -144,6 +150,7 @@ class _StepTrace:
     """The CUDA kernels of one decode step, in start order, and the kernels each torch op launched."""
 
     kernels: list[tuple[str, float]]  # (name, duration us)
+    chain: list[float] = field(default_factory=list)  # per kernel: its end minus the latest earlier end (us)
     op_kernels: list[tuple[int, float]] = field(default_factory=list)  # per tornado_moe op: (count, us)
 
 
@@ -156,6 +163,18 @@ def _is_kernel(evt: Any) -> bool:
     from torch.autograd import DeviceType
 
     return evt.device_type == DeviceType.CUDA and _is_kernel_name(evt.name)
+
+
+def chain_times(spans: Sequence[tuple[float, float]]) -> list[float]:
+    """Per kernel (spans (start, end) in start order): its end minus the latest end before it, or minus the
+    first start for the first kernel; 0 for a kernel that ends before an earlier one. The values add up to
+    the span from the first start to the last end."""
+    out: list[float] = []
+    latest = spans[0][0] if spans else 0.0
+    for _, end in spans:
+        out.append(max(0.0, end - latest))
+        latest = max(latest, end)
+    return out
 
 
 def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
@@ -178,6 +197,7 @@ def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
                      key=lambda e: e.time_range.start)
         traces.append(_StepTrace(
             kernels=[(e.name, e.time_range.elapsed_us()) for e in kernels],
+            chain=chain_times([(e.time_range.start, e.time_range.end) for e in kernels]),
             op_kernels=[(sum(1 for k in o.kernels if _is_kernel_name(k.name)),
                          float(sum(k.duration for k in o.kernels if _is_kernel_name(k.name)))) for o in ops]))
     return traces
@@ -207,6 +227,14 @@ def _attribute(traces: list[_StepTrace], n_tasks: int) -> tuple[list[float] | No
             return None, None, "unattributed"
     s = len(traces)
     return [c / s for c in per_task_n], [us / s for us in per_task_us], how
+
+
+def _chain_per_task(traces: list[_StepTrace], n_tasks: int) -> list[float] | None:
+    """Per-task chain time (us) averaged over the traced steps: kernel i is task i (start order), so only
+    when every step launched exactly one kernel per task."""
+    if not traces or any(len(tr.chain) != n_tasks for tr in traces):
+        return None
+    return [sum(tr.chain[i] for tr in traces) / len(traces) for i in range(n_tasks)]
 
 
 # ---- one variant ------------------------------------------------------------------------------------------
@@ -255,6 +283,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     on_gpu = engine.device.type == "cuda"
     kernel_n = kernel_us = None
     attribution = None
+    chain_us: list[float] | None = None
     traced_per_step: list[int] = []
     if on_gpu and cuda_steps > 0:
         engine.reset()
@@ -262,6 +291,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
         traces = _trace_cuda_steps(engine, cuda_steps)
         traced_per_step = [len(tr.kernels) for tr in traces]
         kernel_n, kernel_us, attribution = _attribute(traces, len(tasks))
+        chain_us = _chain_per_task(traces, len(tasks))
         measured = kernel_n if kernel_n is not None else None
         counter = "torch.profiler (CUDA kernel events)"
     else:
@@ -296,6 +326,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
             "launches_counted": counted[i],
             "launches_measured": measured[i] if measured is not None else None,
             "time_us": time_us, "kernel_time_us": k_us,
+            "chain_us": chain_us[i] if chain_us is not None else None,
             "weight_bytes": b.weights, "activation_bytes": b.activations, "bytes": b.total,
             "gb_s": gb_s, "fraction_of_copy_bandwidth": gb_s / copy_gb_s if gb_s else None,
         })
@@ -314,7 +345,10 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     by_kind: dict[str, dict[str, Any]] = {}
     for r in task_rows:
         k = by_kind.setdefault(r["kind"], {"kind": r["kind"], "launches": 0.0, "time_us": 0.0, "bytes": 0.0,
-                                           "weight_bytes": 0.0, "_timed": False})
+                                           "weight_bytes": 0.0, "_timed": False,
+                                           "chain_us": 0.0 if chain_us is not None else None})
+        if chain_us is not None:
+            k["chain_us"] += r["chain_us"]
         k["launches"] += r["launches_measured"] if r["launches_measured"] is not None else 1
         t_us = r["kernel_time_us"] or r["time_us"]
         if t_us:
@@ -352,6 +386,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
         "graph_replay_us_per_token": replay_us,
         "timed_launch_us_per_token": timed_total,
         "kernel_time_us_per_token": kernel_total,
+        "chain_us_per_token": sum(chain_us) if chain_us is not None else None,
         "weight_bytes_per_token": sum(r["weight_bytes"] for r in task_rows),
         "bytes_per_token": total_bytes,
         "achieved_gb_s": total_bytes / (best_total * 1e-6) / 1e9 if best_total else None,
@@ -401,15 +436,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"   per token: {v['bytes_per_token'] / 1e6:.3f} MB moved "
                      f"(weights {v['weight_bytes_per_token'] / 1e6:.3f} MB), floor "
                      f"{v['floor_us_per_token']:.1f} us at copy bandwidth; step wall (profiler on) "
-                     f"{v['step_wall_us']:.1f} us; kernels {_fmt(v['kernel_time_us_per_token'], '.1f')} us; "
+                     f"{v['step_wall_us']:.1f} us; kernels {_fmt(v['kernel_time_us_per_token'], '.1f')} us "
+                     f"(chain {_fmt(v['chain_us_per_token'], '.1f')} us); "
                      f"achieved {_fmt(v['achieved_gb_s'], '.1f')} GB/s ({_fmt(pct, '.1f')}% of copy)")
-        lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'MB/token':>10} {'GB/s':>9} "
-                     f"{'% copy':>7}")
+        lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'chain us':>9} "
+                     f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7}")
         for k in v["by_kind"]:
             frac = k["fraction_of_copy_bandwidth"]
             lines.append(f"   {k['kind']:<34} {k['launches']:>8.1f} {_fmt(k['time_us'], '10.1f'):>10} "
-                         f"{k['bytes'] / 1e6:>10.4f} {_fmt(k['gb_s'], '9.1f'):>9} "
-                         f"{_fmt(frac and 100 * frac, '7.1f'):>7}")
+                         f"{_fmt(k['chain_us'], '9.1f'):>9} {k['bytes'] / 1e6:>10.4f} "
+                         f"{_fmt(k['gb_s'], '9.1f'):>9} {_fmt(frac and 100 * frac, '7.1f'):>7}")
     return "\n".join(lines)
 
 
