@@ -6,7 +6,8 @@
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
-# tuning: TUNING="name:nvcc flags;..." (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench each).
+# tuning: TUNING="name:nvcc flags;..." (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench
+# each), TUNING_PROFILE=1 (and profile each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
@@ -89,6 +90,11 @@ if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per e
         --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch --json "$OUT/bench_tune_$name.json" \
         > "$OUT/bench_tune_$name.log" 2>&1
       echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
+      if [ -n "${TUNING_PROFILE:-}" ]; then  # the chain time per kernel kind, fused + graphs
+        PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 40)" $CLI profile --model "$MODEL" --device cuda \
+          -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" > "$OUT/profile_tune_$name.log" 2>&1
+        grep -E "attn|attention|router|experts|chain" "$OUT/profile_tune_$name.log"
+      fi
     done
   fi
 fi

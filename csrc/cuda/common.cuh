@@ -110,6 +110,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
+// Experiment knob (tuning builds): which kernels prefetch their known weight rows before pdl_wait (bit 1 matmul,
+// 2 qkv_rope, 4 expert gate-up, 8 expert down).
+#ifndef TM_PREWAIT_PREFETCH
+#define TM_PREWAIT_PREFETCH 15
+#endif
+
 // Experiment knob (tuning builds): 1 = prefetch_row_l2 hands the whole row to the copy engine (TMA) in one
 // instruction, 0 = one prefetch per 128-byte line spread over the lanes.
 #ifndef TM_L2_BULK_PREFETCH

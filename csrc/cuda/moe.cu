@@ -58,7 +58,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
                                               int64_t nblocks, int64_t pair, int64_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = tile * kRowsPerBlock + warp;
-  if (a.ids == nullptr && r < a.ffn && pair == 0) {  // a shared expert: its rows are known up front
+  if ((TM_PREWAIT_PREFETCH & 4) && a.ids == nullptr && r < a.ffn && pair == 0) {  // a shared expert: its rows are known up front
     prefetch_row_l2(a.w_gate + r * a.row_bytes, a.row_bytes, lane);
     prefetch_row_l2(a.w_up + r * a.row_bytes, a.row_bytes, lane);
   }
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
-  if (a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
+  if ((TM_PREWAIT_PREFETCH & 8) && a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
     prefetch_row_l2(a.w_down + r * a.row_bytes, a.row_bytes, lane);
   pdl_begin();
   float gate = 1.0f;
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kSplitRows + row;
   const bool shared_warp = warp < kSplitRows;
-  if (shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
+  if ((TM_PREWAIT_PREFETCH & 8) && shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
     prefetch_row_l2(sh.w_down + r * sh.row_bytes, sh.row_bytes, lane);
   pdl_begin();
 #if TM_DOWN_GATE_WARP
