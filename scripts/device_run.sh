@@ -83,16 +83,17 @@ if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per e
       --layout tiled ${KB_ARGS:-} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
   if [ -n "${TUNING_BENCH:-}" ]; then  # and each build end to end (fused + graphs, torch), after the synthesis
-    [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
+    SYNTH=""  # the builds' `wait` above waited for the synthesis too
     for t in "${TUNES[@]}"; do
       name=${t%%:*}
-      PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench --model "$MODEL" --device cuda \
+      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench --model "$MODEL" --device cuda \
         --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch --json "$OUT/bench_tune_$name.json" \
-        > "$OUT/bench_tune_$name.log" 2>&1
+        > "$OUT/bench_tune_$name.log" 2>&1)  # from its tree: `python -m` puts the working directory first
       echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
       if [ -n "${TUNING_PROFILE:-}" ]; then  # the chain time per kernel kind, fused + graphs
-        PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 40)" $CLI profile --model "$MODEL" --device cuda \
-          -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" > "$OUT/profile_tune_$name.log" 2>&1
+        (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 40)" $CLI profile \
+          --model "$MODEL" --device cuda -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" \
+          > "$OUT/profile_tune_$name.log" 2>&1)
         grep -E "attn|attention|router|experts|chain" "$OUT/profile_tune_$name.log"
       fi
     done
