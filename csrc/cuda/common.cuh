@@ -110,36 +110,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// Experiment knob (tuning builds): which kernels prefetch their known weight rows before pdl_wait (bit 1 matmul,
-// 2 qkv_rope, 4 expert gate-up, 8 expert down).
-#ifndef TM_PREWAIT_PREFETCH
-#define TM_PREWAIT_PREFETCH 15
-#endif
-
-// Experiment knob (tuning builds): 1 = prefetch_row_l2 hands the whole row to the copy engine (TMA) in one
-// instruction, 0 = one prefetch per 128-byte line spread over the lanes.
-#ifndef TM_L2_BULK_PREFETCH
-#define TM_L2_BULK_PREFETCH 0
-#endif
-
-// A hint that bytes [p, p + bytes) will be read soon, issued by one thread to the TMA unit, whose requests do not
-// wait in the multiprocessor's load queues. The range is narrowed to 16-byte boundaries (the instruction's rule);
-// the few bytes cut off share their sector with the rest or are simply not prefetched.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15};
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~uintptr_t{15};
-  if (e > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a), "r"(static_cast<uint32_t>(e - a)));
-#else
-  prefetch_l2(p);
-#endif
-}
-
-// The lines of a weight row, spread over the warp's lanes: what a kernel may do before pdl_wait (weights never
-// change), so its first loads hit L2 while the previous kernel still runs.
+// The lines of a weight row into L2: what a kernel may do before pdl_wait (weights never change), so its first
+// loads hit L2 while the previous kernel still runs. On sm_90 lane 0 hands the whole row to the copy engine (TMA)
+// in one instruction, whose requests do not queue in the multiprocessor's load path (H200, results/NOTES.md v4h:
+// the output head 94.8 -> 92.2 us); the range is narrowed to 16-byte boundaries, as the instruction requires
+// (the bytes cut off share a sector with the rest or are not prefetched: a hint either way).
 __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, int lane) {
-#if TM_L2_BULK_PREFETCH
-  if (lane == 0) bulk_prefetch_l2(row, bytes);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(row) + 15) & ~uintptr_t{15};
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes)) & ~uintptr_t{15};
+  if (lane == 0 && e > a)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a), "r"(static_cast<uint32_t>(e - a)));
 #else
   const char* p = static_cast<const char*>(row);
   for (int64_t off = 128 * lane; off < bytes; off += 32 * 128) prefetch_l2(p + off);

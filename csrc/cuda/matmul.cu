@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const uint8_t* wr[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) wr[i] = w + (r0 + i < rows ? r0 + i : rows - 1) * row_bytes;  // tail: repeat a row
-  if ((TM_PREWAIT_PREFETCH & 1) && r0 < rows && tile0 + blockIdx.y == 0)
+  if (r0 < rows && tile0 + blockIdx.y == 0)
 #pragma unroll
     for (int i = 0; i < NR; ++i) prefetch_row_l2(wr[i], row_bytes, lane);
   pdl_begin();

@@ -23,8 +23,9 @@
  *   starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused and
  *   per-slot calls agree bit for bit.
  * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs.
- * Without ids (a shared expert or dense FFN) the rows are known before the inputs: each warp prefetches them into
- * L2 before pdl_wait (common.cuh's protocol); routed rows depend on the router's output and are not prefetched.
+ * Without ids (a shared expert or dense FFN) the rows are known before the inputs: each down warp prefetches them
+ * into L2 before pdl_wait (common.cuh's protocol); the gate-up does not (gate_up_block says why). Routed rows
+ * depend on the router's output and are not prefetched (prefetching them once the ids are read was slower).
  */
 #include "qdot.cuh"
 
@@ -32,15 +33,6 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
-
-// Experiment knobs (tuning builds): routed rows prefetched into L2 once the router's ids are read; the shared
-// gate of experts_down_kernel computed once per block by a routed warp instead of by each shared warp first.
-#ifndef TM_PREFETCH_ROUTED
-#define TM_PREFETCH_ROUTED 0
-#endif
-#ifndef TM_DOWN_GATE_WARP
-#define TM_DOWN_GATE_WARP 0
-#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -58,10 +50,8 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
                                               int64_t nblocks, int64_t pair, int64_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = tile * kRowsPerBlock + warp;
-  if ((TM_PREWAIT_PREFETCH & 4) && a.ids == nullptr && r < a.ffn && pair == 0) {  // a shared expert: its rows are known up front
-    prefetch_row_l2(a.w_gate + r * a.row_bytes, a.row_bytes, lane);
-    prefetch_row_l2(a.w_up + r * a.row_bytes, a.row_bytes, lane);
-  }
+  // No prefetch of a shared expert's rows before pdl_wait here: these blocks start while the router runs, and
+  // 24.5 MB of prefetches then slow the router more than they speed this kernel (results/NOTES.md v4h).
   pdl_begin();
   if (r >= a.ffn) return;
   const int64_t t = pair / a.slot_count;
@@ -74,12 +64,6 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   }
   const int64_t off = (e * a.ffn + r) * a.row_bytes;
   const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
-#if TM_PREFETCH_ROUTED
-  if (a.ids != nullptr) {
-    prefetch_row_l2(wr[0], a.row_bytes, lane);
-    prefetch_row_l2(wr[1], a.row_bytes, lane);
-  }
-#endif
   const float* xs[1] = {h + t * hidden};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
@@ -135,9 +119,6 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     const bool bad = e < 0 || e >= a.n_experts;
     if (bad) e = 0;
     wr[i] = a.w_down + (e * a.hidden + r) * a.row_bytes;
-#if TM_PREFETCH_ROUTED
-    if (a.ids != nullptr) prefetch_row_l2(wr[i], a.row_bytes, threadIdx.x & 31);
-#endif
     xs[i] = a.act + slot * a.ffn;
     float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
     if (gated) w = __fmul_rn(w, gate);
@@ -191,7 +172,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
-  if ((TM_PREWAIT_PREFETCH & 8) && a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
+  if (a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
     prefetch_row_l2(a.w_down + r * a.row_bytes, a.row_bytes, lane);
   pdl_begin();
   float gate = 1.0f;
@@ -233,27 +214,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kSplitRows + row;
   const bool shared_warp = warp < kSplitRows;
-  if ((TM_PREWAIT_PREFETCH & 8) && shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
+  if (shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
     prefetch_row_l2(sh.w_down + r * sh.row_bytes, sh.row_bytes, lane);
   pdl_begin();
-#if TM_DOWN_GATE_WARP
-  __shared__ float s_gate;
-  const bool gated = gate_mode != kGateNone;
-#endif
   if (r < sh.hidden) {
     if (shared_warp) {
-#if TM_DOWN_GATE_WARP
-      // The raw dot now; its factor (1 times the gate, as down_dots forms it) after the barrier.
-      float d[1][1], w_eff[1];
-      down_dots<FS, 1, VS>(sh, t, r, 0, false, 1.0f, d, w_eff);
-      if (lane == 0) s_shared[row] = d[0][0];
-#else
       float gate = 1.0f;
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
       float d[1][1], w_eff[1];
       down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       if (lane == 0) s_shared[row] = __fmul_rn(w_eff[0], d[0][0]);
-#endif
     } else {
       for_slot_groups(0, rt.top_k, [&](int64_t s, auto n) {
         constexpr int NR = decltype(n)::value;
@@ -265,21 +235,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
       });
     }
   }
-#if TM_DOWN_GATE_WARP
-  if (gated && warp == kRowsPerBlock - 1) {  // after its own rows: off the shared warps' path
-    const float g = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
-    if (lane == 0) s_gate = g;
-  }
-#endif
   __syncthreads();
   if (!shared_warp || lane != 0 || r >= sh.hidden) return;
   float* xo = x + t * sh.hidden + r;
-#if TM_DOWN_GATE_WARP
-  const float sh_term = gated ? __fmul_rn(__fmul_rn(1.0f, s_gate), s_shared[row]) : __fmul_rn(1.0f, s_shared[row]);
-  float acc = __fadd_rn(__ldcg(xo), sh_term);  // in place: read around L1 (common.cuh)
-#else
   float acc = __fadd_rn(__ldcg(xo), s_shared[row]);  // in place: read around L1 (common.cuh)
-#endif
   for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[row * rt.top_k + s]);
   *xo = acc;
 }

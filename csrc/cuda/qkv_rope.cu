@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const int64_t head = rest / half, i = rest % half;
   const int64_t da = a.neox ? i : 2 * i, db = a.neox ? i + half : 2 * i + 1;
   const int64_t ra = head * a.head_dim + da, rb = head * a.head_dim + db;
-  if ((TM_PREWAIT_PREFETCH & 2) && active && t == 0) {  // weights only: before pdl_wait
+  if (active && t == 0) {  // weights only: before pdl_wait
     prefetch_row_l2(a.w[which] + ra * a.row_bytes, a.row_bytes, lane);
     prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
   }
