@@ -14,7 +14,8 @@ decode steps run through one Engine with the plan's profiler on:
   one (its end minus the latest end before it, in start order). With programmatic dependent launch a kernel
   starts while its predecessor drains, so durations overlap and add up to more than the step; chain times
   add up to the step's kernel span (idle time before a kernel counts as its own) and say where the step's
-  time goes;
+  time goes. Read them for CUDA-graph variants: in eager mode the traced steps wait on the host, whose
+  launches torch.profiler slows, so they mostly measure that;
 - bytes per task from the task arguments (:mod:`tornado_moe.tools.traffic`) and the achieved GB/s against
   the machine's copy bandwidth measured in the same run (:func:`copy_bandwidth_gb_s`).
 
