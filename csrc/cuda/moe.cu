@@ -353,9 +353,6 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, &rt, &v));
   Limits lim;
   TM_TRY(get_limits(&lim));
-#ifdef TM_GATE_UP_NO_PDL  // experiment: no gate-up blocks resident while the router runs
-  lim.pdl = false;
-#endif
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t total = n_tokens * (ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
