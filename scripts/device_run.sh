@@ -86,9 +86,10 @@ if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per e
     SYNTH=""  # the builds' `wait` above waited for the synthesis too
     for t in "${TUNES[@]}"; do
       name=${t%%:*}
-      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench --model "$MODEL" --device cuda \
-        --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch --json "$OUT/bench_tune_$name.json" \
-        > "$OUT/bench_tune_$name.log" 2>&1)  # from its tree: `python -m` puts the working directory first
+      # from its own tree: `python -m` puts the working directory first on the path
+      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench \
+        --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch \
+        --json "$OUT/bench_tune_$name.json" > "$OUT/bench_tune_$name.log" 2>&1)
       echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
       if [ -n "${TUNING_PROFILE:-}" ]; then  # the chain time per kernel kind, fused + graphs
         (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 40)" $CLI profile \

@@ -37,7 +37,8 @@ JSON: {command, date, git_commit, device, gpu_name, model, torch_version, copy_b
        launches_measured, time_us, kernel_time_us, chain_us, weight_bytes, activation_bytes, bytes, gb_s,
        fraction_of_copy_bandwidth}]}]}
 chain_us (GPU only): how much later the step's kernels finish because of this one (its end minus the latest
-earlier end); durations overlap under programmatic dependent launch, chain times add up to the step.
+earlier end); durations overlap under programmatic dependent launch, chain times add up to the step's
+kernel span. Read them for the CUDA-graph variants (eager steps under the tracer wait on the host).
 """
 
 
