@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 }
 
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
-// computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits),
+// computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits;
+// one routed warp computing it for the block was slower on the H200, results/NOTES.md v4h),
 // warp kSplitRows + w the routed slots' terms for the same row (slot groups as moe_down_kernel), into shared
 // memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the two launches this
 // replaces: the shared term, then the slots in order, each a rounded multiply then a rounded add, from the

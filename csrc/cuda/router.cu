@@ -219,7 +219,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
       if (32 * j < n_experts) z = __fadd_rn(z, gs);
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(expf(__fsub_rn(l[j], m)), z);
+    for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(e[j], z);  // e[j]: the same expf of the same value
     float last_key = INFINITY;
     int last_id = -1;
     for (int64_t r = 0; r < top_k; ++r) {
