@@ -148,6 +148,19 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
                                                ids_rot[i % 64], act, 1, TOPK, E, FFN, H)
         out.append(("experts_gate_up (shared + 4 of 60)", 2 * (SFFN + TOPK * FFN) * rb, experts_gate_up))
 
+    if hasattr(K, "router_experts_gate_up"):
+        def router_experts_gate_up() -> Callable[[int], None]:
+            n = copies_for(2 * SFFN * rb)
+            sg, su = q8_0(SFFN, H, n), q8_0(SFFN, H, n)
+            wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
+            xs = [torch.randn(1, H, **f32) for _ in range(16)]  # other inputs, other experts: rows from DRAM
+            scratch = torch.zeros(K.router_gate_up_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            return lambda i: K.router_experts_gate_up(
+                xs[i % 16], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
+                wg, wu, act, 1, E, H, TOPK, False, FFN, scratch)
+        out.append(("router_experts_gate_up (router + shared + 4 of 60)",
+                    E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb, router_experts_gate_up))
+
     def shared_down() -> Callable[[int], None]:
         nbytes = H * SFFN // 32 * 34
         n = copies_for(nbytes)

@@ -75,17 +75,19 @@ def test_declared_launch_counts(tiny) -> None:
     fused = Engine(tiny, EngineOptions(device="cpu", fuse_experts=True))
     per_slot = Engine(tiny, EngineOptions(device="cpu", fuse_experts=False))
 
-    experts = ("moe_gate_up", "experts_gate_up", "moe_down_accumulate", "experts_down_accumulate")
+    experts = ("moe_gate_up", "experts_gate_up", "router_experts_gate_up", "moe_down_accumulate",
+               "experts_down_accumulate")
 
     def routed(engine: Engine) -> list[str]:  # the expert launches that read the router's ids
         return [t.name for t in engine.graphs[1].tasks if t.kernel in experts
                 and t.args[KERNEL_ARGS[t.kernel].index("ids")] is not None]
 
-    # fused: the shared expert's launches join the routed ones (the router's ids are read by two launches)
-    assert routed(fused) == ["experts_gate_up_swiglu", "experts_down_accumulate"]
+    # fused: the router and the shared expert's launches join the routed ones (two launches read the ids)
+    assert routed(fused) == ["router_experts_gate_up", "experts_down_accumulate"]
+    assert "router_topk" not in [t.name for t in fused.graphs[1].tasks]
     assert len(routed(per_slot)) == 2 * cfg.top_k
     per_layer_diff = per_slot.graphs[1].launch_count - fused.graphs[1].launch_count
-    assert per_layer_diff == 2 * cfg.top_k  # + the shared expert's two launches - the two fused ones
+    assert per_layer_diff == 2 * cfg.top_k + 1  # + the router, the shared expert's two - the two fused ones
     assert per_slot.launches_per_token - fused.launches_per_token == cfg.n_layers * per_layer_diff
 
 

@@ -4,6 +4,8 @@ the shapes the small kernel tests do not reach.
 - ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
+- ``router_experts_gate_up`` == rmsnorm_router_topk then experts_gate_up, bit for bit, and leaves its scratch
+  zero;
 - ``experts_down_accumulate`` == the shared expert's moe_down_accumulate then the routed one's, bit for bit;
 - rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
   reference, and the same bits whatever the alignment of the weights in memory.
@@ -165,6 +167,82 @@ def test_experts_gate_up_is_shared_then_routed_bitwise(
     K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
     assert not torch.isnan(sh_ref).any() and not torch.isnan(act_ref).any()
     assert torch.equal(sh, sh_ref) and torch.equal(act, act_ref)
+
+
+# ---- router + shared + routed gate-up in one launch ----------------------------------------------------
+
+ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
+    (1, 60, 4, 40, 24, 256),  # qwen2moe's 60 experts: 8 router blocks, the last half idle
+    (3, 5, 2, 17, 9, 512),  # one router block per token; several tokens wait on their own flags
+    (2, 64, 8, 16, 8, 384),  # 64 experts (both logits of every lane); tiled: the 8-byte code reader
+    (1, 70, 4, 16, 8, 256),  # more experts than one warp ranks: the two-launch path
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["gguf", "tiled", "f16"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalized"])
+@pytest.mark.parametrize("shape", ROUTER_GATE_UP_SHAPES)
+def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layout: str, normalize: bool,
+                                                               shape: tuple) -> None:
+    """h, ids, weights and both activations equal rmsnorm_router_topk's then experts_gate_up's; three calls
+    back to back on one scratch (each must leave it zero for the next). f16 rows of an odd length: the
+    router's one-value-per-lane dot."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
+    if layout == "f16":
+        hidden += 1
+    rng = np.random.default_rng(23)
+    qtype = {"gguf": 8, "tiled": Q8_0_TILED, "f16": 1}[layout]
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        raw = ref.make_weights(rng, shape, 1 if layout == "f16" else 8, 0.1)[0].to(device)
+        return tile_q8_0(raw, hidden) if layout == "tiled" else raw
+
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    # router rows 4-byte but not 16-byte aligned in the normalized runs: the F32X4 dot without vector loads
+    buf = torch.zeros(n_experts * hidden + 4, dtype=torch.float32, device=device)
+    w_router = buf[int(normalize):int(normalize) + n_experts * hidden].view(n_experts, hidden)
+    w_router.copy_(randn(rng, (n_experts, hidden), device, 0.05))
+
+    def outputs() -> list[torch.Tensor]:  # h, ids, weights, act_sh, act, poisoned
+        ids = torch.full((n_tokens, top_k), -1, dtype=torch.int32, device=device)
+        return [poisoned((n_tokens, hidden), device), ids, poisoned((n_tokens, top_k), device),
+                poisoned((n_tokens, ffn_sh), device), poisoned((n_tokens, top_k, ffn), device)]
+
+    h, ids, wt, sh, act = want = outputs()
+    K.rmsnorm_router_topk(x, norm_w, 1e-6, h, w_router, ids, wt, n_tokens, n_experts, hidden, top_k,
+                          normalize)
+    K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
+    assert not any(torch.isnan(t).any() for t in (h, wt, sh, act)) and (ids >= 0).all()
+
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
+    for call in range(3):
+        h, ids, wt, sh, act = got = outputs()
+        K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, g, u, act,
+                                 n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), call
+        assert not scratch.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
+    n_tokens, n_experts, hidden = 1, 4, 32
+    w = torch.zeros(n_experts * 4, 34, dtype=torch.uint8, device=device)
+    x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
+    ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
+    act = torch.zeros(1, 2, 4, device=device)
+    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts) - 1, dtype=torch.int32,
+                        device=device)
+    router = torch.zeros(n_experts, hidden, device=device)
+    with pytest.raises(RuntimeError, match="scratch"):
+        K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, w, w, act, n_tokens,
+                                 n_experts, hidden, 2, False, 4, short)
+    assert K.router_gate_up_scratch_words(3, 60) == 2 + 3 * 3 + 3 * 60
 
 
 @pytest.mark.parametrize("device", DEVICES)

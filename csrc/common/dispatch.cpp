@@ -350,6 +350,26 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                     n_tokens, top_k, n_experts, ffn, hidden, stream);
 }
 
+TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
+                                     const float* w_router, int32_t* ids, float* weights, int qtype,
+                                     const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
+                                     const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
+                                     int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
+                                     int32_t* scratch, void* stream) {
+  const char* fn = "tm_router_experts_gate_up";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
+  TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate_sh", w_gate_sh, "w_up_sh", w_up_sh, h, "act_sh", act_sh, n_tokens, 1,
+                            0, 1, 1, "ffn_sh", ffn_sh, hidden));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, 0, top_k,
+                            n_experts, "ffn", ffn, hidden));
+  TM_TRY(check_ptr(fn, "scratch", scratch));
+  return TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
+                    w_up_sh, act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
+                    normalize ? 1 : 0, ffn, scratch, stream);
+}
+
 TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,
                                   const int32_t* ids, const float* weights, const float* gate_inp, const float* h,
                                   float* x, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,

@@ -42,6 +42,18 @@ extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, 
                                     n_experts, hidden, ffn, stream);
 }
 
+extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,
+                                             const float* w_router, int32_t* ids, float* weights, int qtype,
+                                             const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                             int64_t ffn_sh, const void* w_gate, const void* w_up, float* act,
+                                             int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
+                                             int normalize, int64_t ffn, int32_t* /*scratch: unused*/, void* stream) {
+  TM_TRY(tm_cpu_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
+                                    normalize, stream));
+  return tm_cpu_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
+                                top_k, n_experts, ffn, hidden, stream);
+}
+
 extern "C" int tm_cpu_rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,
                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,

@@ -127,6 +127,26 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 #endif
 }
 
+// ---- flags between the blocks of one grid ------------------------------------------------------------------
+// Integer words only (never a floating-point atomic). A block publishes what its threads stored with
+// __syncthreads() and then flag_release in one thread; a consumer block calls block_wait_flag (every thread), after
+// which all its threads see those stores. A block may only wait for blocks that are already running (kernels hand
+// out roles by an atomic ticket for that), so a wait always ends.
+__device__ __forceinline__ void flag_release(uint32_t* flag) {
+  __threadfence();
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+}
+__device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ void block_wait_flag(const uint32_t* flag) {
+  if (threadIdx.x == 0)
+    while (flag_acquire(flag) == 0) __nanosleep(32);
+  __syncthreads();
+}
+
 // ---- device helpers ---------------------------------------------------------------------------------------
 
 constexpr unsigned kFullMask = 0xffffffffu;

@@ -27,7 +27,8 @@
  * into L2 before pdl_wait (common.cuh's protocol); the gate-up does not (gate_up_block says why). Routed rows
  * depend on the router's output and are not prefetched (prefetching them once the ids are read was slower).
  */
-#include "qdot.cuh"
+#include "norm.cuh"
+#include "router.cuh"
 
 namespace tm_cuda {
 namespace {
@@ -45,14 +46,14 @@ struct GateUpArgs {
 };
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2).
+// Called after pdl_begin. The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start
+// while the router runs, and 24.5 MB of prefetches then slowed the router more than they sped this kernel
+// (results/NOTES.md v4h). h is read with plain loads (the fused router kernel writes it in the same grid).
 template <Fmt F, bool V>
-__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* __restrict__ h, int64_t hidden,
-                                              int64_t nblocks, int64_t pair, int64_t tile) {
+__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t hidden, int64_t nblocks,
+                                              int64_t pair, int64_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = tile * kRowsPerBlock + warp;
-  // No prefetch of a shared expert's rows before pdl_wait here: these blocks start while the router runs, and
-  // 24.5 MB of prefetches then slow the router more than they speed this kernel (results/NOTES.md v4h).
-  pdl_begin();
   if (r >= a.ffn) return;
   const int64_t t = pair / a.slot_count;
   const int64_t slot = t * a.top_k + a.slot_begin + pair % a.slot_count;
@@ -74,23 +75,181 @@ template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t hidden, int64_t nblocks,
                        int64_t pair0, int64_t tile0) {
+  pdl_begin();
   gate_up_block<F, V>(a, h, hidden, nblocks, pair0 + blockIdx.x, tile0 + blockIdx.y);
 }
 
-// tm_experts_gate_up: a 1-D grid, the shared expert's blocks first, then the routed ones; each part numbers its
-// blocks (pair, tile) as moe_gate_up_kernel's grid does (pair fastest).
+// Block b of tm_experts_gate_up's 1-D grid: the shared expert's blocks first, then the routed ones; each part
+// numbers its blocks (pair, tile) as moe_gate_up_kernel's grid does (pair fastest).
+__device__ __forceinline__ int64_t shared_gate_up_blocks(const GateUpArgs& sh, int64_t n_tokens) {
+  return n_tokens * ceil_div(sh.ffn, kRowsPerBlock);
+}
+// The token of block b.
+__device__ __forceinline__ int64_t gate_up_block_token(const GateUpArgs& sh, const GateUpArgs& rt, int64_t n_tokens,
+                                                       int64_t b) {
+  const int64_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
+  return b < sh_blocks ? b % n_tokens : ((b - sh_blocks) % (n_tokens * rt.slot_count)) / rt.slot_count;
+}
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
-    experts_gate_up_kernel(const GateUpArgs sh, const GateUpArgs rt, const float* __restrict__ h, int64_t n_tokens,
-                           int64_t hidden, int64_t nblocks, int64_t block0) {
-  const int64_t b = block0 + blockIdx.x;
-  const int64_t sh_blocks = n_tokens * ceil_div(sh.ffn, kRowsPerBlock);
+__device__ __forceinline__ void experts_gate_up_block(const GateUpArgs& sh, const GateUpArgs& rt, const float* h,
+                                                      int64_t n_tokens, int64_t hidden, int64_t nblocks, int64_t b) {
+  const int64_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   if (b < sh_blocks) {
     gate_up_block<F, V>(sh, h, hidden, nblocks, b % n_tokens, b / n_tokens);
   } else {
     const int64_t pairs = n_tokens * rt.slot_count;
     gate_up_block<F, V>(rt, h, hidden, nblocks, (b - sh_blocks) % pairs, (b - sh_blocks) / pairs);
   }
+}
+
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+    experts_gate_up_kernel(const GateUpArgs sh, const GateUpArgs rt, const float* __restrict__ h, int64_t n_tokens,
+                           int64_t hidden, int64_t nblocks, int64_t block0) {
+  pdl_begin();
+  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, block0 + blockIdx.x);
+}
+
+// ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
+// Grid: n_tokens * router_blocks(n_experts) router blocks, then experts_gate_up_kernel's blocks. A block's role
+// is its ticket (an atomic counter taken after pdl_wait), not blockIdx: every block waits only for blocks with
+// lower tickets, which are running already, so the grid progresses in whatever order the blocks start.
+//   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
+//     also stores it to h and raises h_ready[t]); warp w computes the logit of expert 8 j + w into the scratch;
+//     the last of the token's router blocks to arrive (an integer counter) runs router_topk_warp on the logits,
+//     writes ids/weights and raises ids_ready[t]. The same functions as router_kernel: the same bits.
+//   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t] too; then experts_gate_up_block.
+// The shared blocks thus stream while the router runs, where two launches put a grid-wide dependency between.
+// The block that leaves last (a counter) zeroes the sync words for the next call.
+struct RouterArgs {
+  const float* x;
+  const float* norm_w;
+  float eps;
+  const float* w_router;
+  int32_t* ids;
+  float* weights;
+  int64_t n_experts, top_k;
+  int normalize;
+};
+
+// Scratch layout (uint32 words; tm_router_gate_up_scratch_words in tornado_moe.h counts them): ticket, left, then
+// per token h_ready, arrived, ids_ready, then float logits [n_tokens, n_experts].
+constexpr int64_t kSyncHeadWords = 2;
+__host__ __device__ inline int64_t router_sync_words(int64_t n_tokens) { return kSyncHeadWords + 3 * n_tokens; }
+__host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
+  return ceil_div(n_experts, kRowsPerBlock);
+}
+// Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks.
+__host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
+  return ((hidden + 3) / 4 * 4 + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
+}
+
+// Thread 0, after its block's last access to the sync words: the last block to leave zeroes them.
+__device__ __forceinline__ void leave_grid(uint32_t* sync, int64_t n_words) {
+  if (atomicAdd(sync + 1, 1u) != gridDim.x - 1) return;
+  for (int64_t i = 0; i < n_words; ++i) sync[i] = 0;
+}
+
+// How the router logits are evaluated (chosen on the host from hidden and the alignment, as router.cu does).
+enum RouterMode : int { kRouterF32 = 0, kRouterF32X4 = 1, kRouterF32X4Vec = 2 };
+
+__device__ __forceinline__ float router_logit_mode(const RouterArgs& ra, int mode, int64_t e, int64_t hidden,
+                                                   const float* hbuf) {
+  if (mode == kRouterF32) return router_logit<false, false>(ra.w_router, e, hidden, hbuf);
+  if (mode == kRouterF32X4) return router_logit<true, false>(ra.w_router, e, hidden, hbuf);
+  return router_logit<true, true>(ra.w_router, e, hidden, hbuf);
+}
+
+__device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t, int64_t j,
+                                             uint32_t* sync, int64_t n_tokens, float* smem) {
+  __shared__ int s_last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint32_t* h_ready = sync + kSyncHeadWords;
+  uint32_t* arrived = h_ready + n_tokens;
+  uint32_t* ids_ready = arrived + n_tokens;
+  float* logits = reinterpret_cast<float*>(ids_ready + n_tokens) + t * ra.n_experts;
+  float* hbuf = smem;
+  float* norm = hbuf + (hidden + 3) / 4 * 4;
+  Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
+  const float* xt = ra.x + t * hidden;
+  float* ht = h + t * hidden;
+  const float inv = block_rms_inv(xt, hidden, ra.eps, norm);
+  for (int64_t i = threadIdx.x; i < hidden; i += kNormThreads) {
+    const float v = rms_apply(xt[i], inv, __ldg(ra.norm_w + i));
+    hbuf[i] = v;
+    if (j == 0) ht[i] = v;
+  }
+  __syncthreads();
+  if (j == 0 && threadIdx.x == 0) flag_release(h_ready + t);
+  const int64_t e = j * kRowsPerBlock + warp;
+  if (e < ra.n_experts) {
+    const float v = router_logit_mode(ra, mode, e, hidden, hbuf);
+    if (lane == 0) logits[e] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(arrived + t, 1u) == router_blocks_per_token(ra.n_experts) - 1;
+  }
+  __syncthreads();
+  if (s_last && warp == 0) {
+    __threadfence();
+    const float l0 = lane < ra.n_experts ? __ldcg(logits + lane) : 0.0f;
+    const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
+    router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
+                     ra.weights + t * ra.top_k);
+    if (lane == 0) flag_release(ids_ready + t);  // lane 0 wrote the outputs
+  }
+}
+
+// Tiled Q8_0: 4 blocks per SM, as experts_gate_up_kernel gets from its 54-56 registers (results/NOTES.md lesson
+// 6); left to itself the compiler gives the router phase's F32X4 dot 90 registers, and the whole grid 2 per SM.
+// Other formats keep experts_gate_up_kernel's bound (their dots need more registers than 4 blocks leave).
+constexpr int router_gate_up_min_blocks(Fmt f) {
+  return f == Fmt::Q8_0T || f == Fmt::Q8_0T16 ? 4 : TM_WEIGHT_MIN_BLOCKS;
+}
+
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(F))
+    router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
+                                  float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
+  static_assert(kRowsPerBlock * 32 == kNormThreads, "router blocks compute norm.cuh's tree");
+  extern __shared__ __align__(16) float rg_smem[];
+  __shared__ uint32_t s_ticket;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t per_token = router_blocks_per_token(ra.n_experts);
+  const int64_t router_blocks = n_tokens * per_token;
+  if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
+    const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
+    if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
+    if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
+  }
+#if TM_ROUTER_GATE_UP_PREFETCH  // a tuning knob: the likely shared-expert blocks prefetch their rows
+  else if (blockIdx.x < router_blocks + shared_gate_up_blocks(sh, n_tokens)) {
+    const int64_t g = blockIdx.x - router_blocks, r = g / n_tokens * kRowsPerBlock + warp;
+    if (g % n_tokens == 0 && r < sh.ffn) {
+      prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
+      prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
+    }
+  }
+#endif
+  pdl_begin();
+  if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1u);
+  __syncthreads();
+  const int64_t b = s_ticket;
+  const int64_t n_words = router_sync_words(n_tokens);
+  if (b < router_blocks) {
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sync, n_tokens, rg_smem);
+    if (threadIdx.x == 0) leave_grid(sync, n_words);
+    return;
+  }
+  const int64_t g = b - router_blocks;
+  const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
+  const uint32_t* h_ready = sync + kSyncHeadWords;
+  block_wait_flag(h_ready + t);
+  if (g >= shared_gate_up_blocks(sh, n_tokens)) block_wait_flag(h_ready + 2 * n_tokens + t);  // ids_ready[t]
+  if (threadIdx.x == 0) leave_grid(sync, n_words);
+  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
 }
 
 // How the shared-expert gate dot product is evaluated (chosen on the host from hidden and the alignment).
@@ -428,5 +587,47 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
         return two_launches();
       }
     });
+  });
+}
+
+extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,
+                                              const float* w_router, int32_t* ids, float* weights, int qtype,
+                                              const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                              int64_t ffn_sh, const void* w_gate, const void* w_up, float* act,
+                                              int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
+                                              int normalize, int64_t ffn, int32_t* scratch, void* stream) {
+  const char* fn = "tm_router_experts_gate_up";
+  for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w}, {"h", h},
+                                {"w_router", w_router}, {"weights", weights}, {"scratch", scratch}})
+    TM_TRY(check_f32_alignment(fn, name, p));
+  GateUpArgs sh, rt;
+  bool v = true;
+  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, &sh, &v));
+  TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, &rt, &v));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  const int64_t smem = router_gate_up_smem(hidden, top_k);
+  const int64_t total = n_tokens * (router_blocks_per_token(n_experts) + ceil_div(ffn_sh, kRowsPerBlock) +
+                                    top_k * ceil_div(ffn, kRowsPerBlock));
+  // More experts than one warp ranks, or a grid beyond the limits: the two launches this one stands for.
+  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
+    TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
+                                       normalize, stream));
+    return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
+                                   top_k, n_experts, ffn, hidden, stream);
+  }
+  const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize};
+  const int router_mode = hidden % 4 != 0 ? kRouterF32 : aligned(w_router, 16) ? kRouterF32X4Vec : kRouterF32X4;
+  const Fmt f = fmt_for(qtype, hidden);
+  const int64_t nblocks = hidden / fmt_vals(f);
+  uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);
+  const cudaStream_t s = as_stream(stream);
+  return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
+    constexpr Fmt F = decltype(ftag)::value;
+    constexpr bool V = decltype(vtag)::value;
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
+    return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
+                  dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
+                  hidden, nblocks, sync);
   });
 }

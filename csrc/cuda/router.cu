@@ -24,11 +24,8 @@
  */
 #include <cooperative_groups.h>
 
-#include <climits>
-#include <cmath>
-
 #include "norm.cuh"
-#include "qdot.cuh"
+#include "router.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -43,19 +40,6 @@ constexpr int64_t kRtMaxChunk = 16384;
 #ifndef TM_ROUTER_MIN_BLOCKS
 #define TM_ROUTER_MIN_BLOCKS 1
 #endif
-
-struct Pick {
-  float p;
-  int id;
-};
-
-// Ranking key: NaN below every probability (NaN never wins over a number).
-__device__ __forceinline__ float pick_key(float p) { return isnan(p) ? -1.0f : p; }
-
-// a ranks before b: larger key, then lower id. A strict total order on distinct ids.
-__device__ __forceinline__ bool ranks_before(float ka, int ia, float kb, int ib) {
-  return ka > kb || (ka == kb && ia < ib);
-}
 
 struct RouterSmem {
   float* hbuf;      // [hidden rounded up to 4] the token's h
@@ -88,19 +72,6 @@ __device__ __forceinline__ RouterSmem router_smem(unsigned char* base, int64_t c
   s.red_id = reinterpret_cast<int*>(s.red_key + kRtWarps);
   s.scalars = reinterpret_cast<float*>(s.red_id + kRtWarps);
   return s;
-}
-
-// Warp-wide best (key, id) under ranks_before; every lane returns the winner (unique: the order is total).
-__device__ __forceinline__ void warp_best(float& key, int& id) {
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) {
-    const float ok = __shfl_xor_sync(kFullMask, key, m);
-    const int oi = __shfl_xor_sync(kFullMask, id, m);
-    if (ranks_before(ok, oi, key, id)) {
-      key = ok;
-      id = oi;
-    }
-  }
 }
 
 // Block-wide best (key, id) under ranks_before; every thread returns the winner.
@@ -163,13 +134,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Logits of chunk c into block 0's buffer (every block of the cluster takes part).
-  auto logit_of = [&](int64_t e) {
-    const uint8_t* wr[1] = {reinterpret_cast<const uint8_t*>(w_router + e * hidden)};
-    const float* xs[1] = {s.hbuf};
-    float logit[1][1];
-    warp_dot<X4 ? Fmt::F32X4 : Fmt::F32, 1, 1, true, V>(wr, xs, X4 ? hidden / 4 : hidden, logit);
-    return logit[0][0];
-  };
+  auto logit_of = [&](int64_t e) { return router_logit<X4, V>(w_router, e, hidden, s.hbuf); };
   auto compute_chunk = [&](int64_t c, bool first_call) {
     const int64_t e0 = c * chunk;
     const int64_t n = n_experts - e0 < chunk ? n_experts - e0 : chunk;
@@ -187,64 +152,14 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   };
   auto chunk_len = [&](int64_t c) { return n_experts - c * chunk < chunk ? n_experts - c * chunk : chunk; };
 
-  // Outputs in pick order (thread 0 of block 0, from s.list).
-  auto write_outputs = [&]() {
-    float sum = 0.0f;
-    if (normalize)
-      for (int64_t r = 0; r < top_k; ++r) sum = __fadd_rn(sum, s.list[r].p);
-    for (int64_t r = 0; r < top_k; ++r) {
-      ids[t * top_k + r] = s.list[r].id;
-      weights[t * top_k + r] = normalize ? __fdiv_rn(s.list[r].p, sum) : s.list[r].p;
-    }
-  };
-
-  // ---- one chunk of at most 64 experts (qwen2moe's 60): warp 0 of block 0 runs passes 1-3 in registers, lane l
-  // holding experts l and 32 + l: the same operations on the same values as the block passes below (the max is
-  // order-free, group sums are the same warp_sum, Z the same serial sum, p the same expression, and the picks
-  // are unique under the strict order), so the same bits, without the block's ~15 barriers.
+  // ---- one chunk of at most 64 experts (qwen2moe's 60): warp 0 of block 0 runs passes 1-3 in registers
+  // (router.cuh's router_topk_warp: the same bits, without the block's ~15 barriers).
   if (n_chunks == 1 && n_experts <= 64) {
     compute_chunk(0, true);
     cluster.sync();
     if (rank != 0 || warp != 0) return;  // no remote access to block 0 follows
-    float l[2], e[2], p[2];
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int i = lane + 32 * j;
-      l[j] = i < n_experts ? s.buf[i] : -INFINITY;
-      m = fmaxf(m, l[j]);
-    }
-    m = warp_max(m);
-    float z = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      e[j] = lane + 32 * j < n_experts ? expf(__fsub_rn(l[j], m)) : 0.0f;
-      const float gs = warp_sum(e[j]);
-      if (32 * j < n_experts) z = __fadd_rn(z, gs);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(e[j], z);  // e[j]: the same expf of the same value
-    float last_key = INFINITY;
-    int last_id = -1;
-    for (int64_t r = 0; r < top_k; ++r) {
-      float bk = -2.0f;
-      int bi = INT_MAX;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int id = lane + 32 * j;
-        const float k = pick_key(p[j]);
-        if (id < n_experts && ranks_before(last_key, last_id, k, id) && ranks_before(k, id, bk, bi)) {
-          bk = k;
-          bi = id;
-        }
-      }
-      warp_best(bk, bi);
-      const float pw = __shfl_sync(kFullMask, bi < 32 ? p[0] : p[1], bi & 31);
-      if (lane == 0) s.list[r] = Pick{pw, bi};
-      last_key = bk;
-      last_id = bi;
-    }
-    if (lane == 0) write_outputs();
+    router_topk_warp(s.buf[lane], lane + 32 < n_experts ? s.buf[lane + 32] : 0.0f, n_experts, top_k, normalize,
+                     s.list, ids + t * top_k, weights + t * top_k);
     return;
   }
 
@@ -357,7 +272,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
     if (n_chunks > 1) cluster.sync();
   }
 
-  if (rank == 0 && threadIdx.x == 0) write_outputs();
+  if (rank == 0 && threadIdx.x == 0) write_picks(s.list, top_k, normalize, ids + t * top_k, weights + t * top_k);
 }
 
 template <bool X4, bool V>

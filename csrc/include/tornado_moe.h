@@ -178,6 +178,29 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
                               int64_t ffn, int64_t hidden, void* stream);
 
+/* int32 words of the scratch tm_router_experts_gate_up needs: 2 + 3 n_tokens synchronisation words, then
+ * n_tokens * n_experts router logits. */
+static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
+  return 2 + 3 * n_tokens + n_tokens * n_experts;
+}
+
+/* The fused router and every expert's gate-up, in one launch: bitwise
+ *   tm_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k, normalize)
+ * followed by
+ *   tm_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens, top_k,
+ *                      n_experts, ffn, hidden).
+ * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
+ * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], all zero before the
+ * first call; every call leaves it zero. Calls sharing a scratch must not run at the same time (one stream does
+ * that). With more than 64 experts, or where the grid would exceed the device's limits, CUDA makes the two calls
+ * above instead (the same bits; the scratch is not touched). The CPU always does. */
+TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
+                                     const float* w_router, int32_t* ids, float* weights, int qtype,
+                                     const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
+                                     const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
+                                     int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
+                                     int32_t* scratch, void* stream);
+
 /* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
  * order, one running float32 accumulator per output row seeded from x and written once:
  *   acc = x[t, r]; for s: acc = acc + weights[t, s] * dot(W_down[ids[t, s]][r, :], act[t, s, :]); x[t, r] = acc

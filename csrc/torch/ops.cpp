@@ -265,6 +265,37 @@ void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_
                              act_p, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream)));
 }
 
+void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
+                            const Tensor& ids, const Tensor& weights, int64_t qtype, const Tensor& w_gate_sh,
+                            const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh, const Tensor& w_gate,
+                            const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
+                            int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
+                            int64_t stream) {
+  Args a("tornado_moe.router_experts_gate_up");
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
+  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
+  float* h_p = a.data<float>(h, "h", kF32, n_tokens * hidden);
+  const float* w_p = a.data<const float>(w_router, "w_router", kF32, n_experts * hidden);
+  int32_t* ids_p = a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k);
+  float* wt_p = a.data<float>(weights, "weights", kF32, n_tokens * top_k);
+  const int64_t rb = row_bytes(qtype, hidden);
+  const void* gs_p = a.weights(w_gate_sh, "w_gate_sh", qtype, ffn_sh * rb);
+  const void* us_p = a.weights(w_up_sh, "w_up_sh", qtype, ffn_sh * rb);
+  float* acts_p = a.data<float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
+  const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * ffn * rb);
+  const void* u_p = a.weights(w_up, "w_up", qtype, n_experts * ffn * rb);
+  float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
+  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts));
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_router_experts_gate_up(a.device(), x_p, nw_p, static_cast<float>(eps), h_p, w_p, ids_p, wt_p,
+                                    static_cast<int>(qtype), gs_p, us_p, acts_p, ffn_sh, g_p, u_p, act_p, n_tokens,
+                                    n_experts, hidden, top_k, normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
+}
+
+int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
+  return tm_router_gate_up_scratch_words(n_tokens, n_experts);
+}
+
 void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
                          const OptTensor& weights, const OptTensor& gate_inp, const OptTensor& h, const Tensor& x,
                          int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
@@ -379,6 +410,10 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("experts_gate_up(int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(a!) act_sh, int ffn_sh, Tensor w_gate, "
         "Tensor w_up, Tensor h, Tensor ids, Tensor(b!) act, int n_tokens, int top_k, int n_experts, int ffn, "
         "int hidden, int stream) -> ()");
+  m.def("router_experts_gate_up(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
+        "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
+        "Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, int n_experts, int hidden, int top_k, "
+        "bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
@@ -397,6 +432,7 @@ TORCH_LIBRARY(tornado_moe, m) {
         &cuda_device_props);
   m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
   m.def("version() -> str", &version);
+  m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
 }
 
 // One marshalling function per op serves both dispatch keys: the C ABI picks the backend from the device.
@@ -411,6 +447,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("rmsnorm_router_topk", &rmsnorm_router_topk);     \
   m.impl("moe_gate_up", &moe_gate_up);                     \
   m.impl("experts_gate_up", &experts_gate_up);             \
+  m.impl("router_experts_gate_up", &router_experts_gate_up); \
   m.impl("moe_down_accumulate", &moe_down_accumulate);     \
   m.impl("experts_down_accumulate", &experts_down_accumulate); \
   m.impl("argmax", &argmax);                               \

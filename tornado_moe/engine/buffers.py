@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tornado_moe.kernels import ops as tm_ops
 from tornado_moe.model.config import ModelConfig
 from tornado_moe.model.gguf_model import GGUFModel, QTensor
 from tornado_moe.quant.tiled import Q8_0_TILED, can_tile, tile_q8_0
@@ -70,6 +71,9 @@ class Activations:
         k = max(cfg.top_k, 1)
         self.expert_ids = torch.zeros(T, k, **i32)
         self.expert_weights = torch.zeros(T, k, **f32)
+        # router_experts_gate_up's flags and logits (zero between calls; the kernel leaves it so)
+        words = tm_ops.router_gate_up_scratch_words(T, max(cfg.n_experts, 1))
+        self.router_scratch = torch.zeros(words, **i32)
         self.act = torch.zeros(T, k, max(cfg.expert_ffn, 1), **f32)
         ffn_dense = cfg.shared_ffn or cfg.dense_ffn
         self.act_dense = torch.zeros(T, max(ffn_dense, 1), **f32)

@@ -1,6 +1,6 @@
 """Builds one task graph per transformer layer, plus the embedding and logits graphs.
 
-A layer is as few launches as the contract allows (qwen2moe, fused: 6):
+A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
 - ``attention``, ``attn_output`` (+ residual);
@@ -8,9 +8,10 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 6):
   of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
   give bitwise identical hidden states:
-  - fused (default): ``experts_gate_up_swiglu`` (the shared expert's gate-up and all slots' in one launch)
-    and ``experts_down_accumulate`` (the shared expert's down, then the slots in order, in one launch); when
-    the shared expert's formats differ from the routed ones', or there is none, ``shared_expert_gate_up``,
+  - fused (default): ``router_experts_gate_up`` (the router, the shared expert's gate-up and all slots' in one
+    launch: the shared rows stream while the router runs) and ``experts_down_accumulate`` (the shared
+    expert's down, then the slots in order, in one launch): 5 launches per layer; when the shared expert's
+    formats differ from the routed ones', or there is none, ``router_topk``, ``shared_expert_gate_up``,
     ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and ``routed_experts_down_accumulate``;
   - per-slot: ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``, ``shared_expert_down`` and
     ``routed_expert_down_<s>`` for every slot s.
@@ -109,11 +110,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
-    if E:
-        g.task("router_topk", "rmsnorm_router_topk", act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h,
-               _f32(L, "ffn_gate_inp"), act.expert_ids, act.expert_weights, T, E, H, k, cfg.normalize_topk)
-    else:
-        g.task("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps)
+    # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
+    # fused router + gate-up launch takes it in.
+    router_args = (act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h, _f32(L, "ffn_gate_inp"), act.expert_ids,
+                   act.expert_weights, T, E, H, k, cfg.normalize_topk)
+    router_task: tuple | None = (
+        ("router_topk", "rmsnorm_router_topk", *router_args) if E
+        else ("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps))
 
     # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels. Every
     # gate-up task comes first, then the shared/dense down, then the routed downs (slot order), either shape.
@@ -141,14 +144,16 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                      for name, _, s0, n in shapes]
         downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
                    s0, n, E, H, ffn) for _, name, s0, n in shapes]
-        # Fused, with a shared expert of the same formats: its launches join the routed ones (same bits).
+        # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch.
         if fuse_experts and cfg.shared_ffn and s_qt == qt:
-            gate_ups = [("experts_gate_up_swiglu", "experts_gate_up", qt, sg.data, su.data, act.act_dense,
-                         dffn, wg.data, wu.data, act.h, ids, act.act, T, k, E, ffn, H)]
+            router_task = None
+            gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_args[:7], qt, sg.data,
+                         su.data, act.act_dense, dffn, wg.data, wu.data, act.act, T, E, H, k,
+                         cfg.normalize_topk, ffn, act.router_scratch)]
         if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
                       s_gate, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
-    for task in gate_ups + downs:
+    for task in ([router_task] if router_task else []) + gate_ups + downs:
         g.task(*task)
     return g.snapshot()
 

@@ -37,6 +37,8 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_router_topk",
     "rope_kv_append",
+    "router_experts_gate_up",
+    "router_gate_up_scratch_words",
     "router_topk",
     "sample",
     "set_launch_limits_for_testing",
@@ -66,6 +68,9 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                     "slot_count", "n_experts", "ffn", "hidden"),
     "experts_gate_up": ("qtype", "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "h", "ids",
                         "act", "n_tokens", "top_k", "n_experts", "ffn", "hidden"),
+    "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
+                               "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "act",
+                               "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn", "scratch"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "ffn_sh", "w_down", "act",
@@ -291,6 +296,43 @@ def experts_gate_up(
     """The shared expert's gate-up and all routed slots' in one launch (bitwise the two moe_gate_up calls)."""
     _ops().experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                            top_k, n_experts, ffn, hidden, stream_of(act))
+
+
+def router_experts_gate_up(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    h: torch.Tensor,
+    w_router: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    qtype: int,
+    w_gate_sh: torch.Tensor,
+    w_up_sh: torch.Tensor,
+    act_sh: torch.Tensor,
+    ffn_sh: int,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    act: torch.Tensor,
+    n_tokens: int,
+    n_experts: int,
+    hidden: int,
+    top_k: int,
+    normalize: bool,
+    ffn: int,
+    scratch: torch.Tensor,
+) -> None:
+    """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
+    stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
+    elements, zero before the first call (every call leaves it zero); calls sharing it must not overlap."""
+    _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                                  act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
+                                  normalize, ffn, scratch, stream_of(act))
+
+
+def router_gate_up_scratch_words(n_tokens: int, n_experts: int) -> int:
+    """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts."""
+    return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts))
 
 
 def moe_down_accumulate(

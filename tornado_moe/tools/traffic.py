@@ -116,6 +116,13 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
                             a["hidden"])
         return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - F32 * T * a["hidden"])
+    if k == "router_experts_gate_up":  # rmsnorm_router_topk's bytes and experts_gate_up's
+        io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]
+        sh = _gate_up_bytes(T, a["w_gate_sh"], a["w_up_sh"], None, 1, 1, a["ffn_sh"], a["hidden"])
+        rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
+                            a["hidden"])
+        return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]) + sh.weights + rt.weights,
+                         io + sh.activations + rt.activations - F32 * T * a["hidden"])
     if k == "experts_down_accumulate":  # both halves, x read and written once
         sh = _down_bytes(T, a["w_down_sh"], None, None, a["gate_inp_sh"], 1, 1, a["ffn_sh"], a["hidden"])
         rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
