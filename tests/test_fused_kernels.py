@@ -186,8 +186,8 @@ ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
 def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layout: str, normalize: bool,
                                                                shape: tuple) -> None:
     """h, ids, weights and both activations equal rmsnorm_router_topk's then experts_gate_up's; three calls
-    back to back on one scratch (each must leave it zero for the next). f16 rows of an odd length: the
-    router's one-value-per-lane dot."""
+    back to back on one scratch (each must leave its sync words zero for the next). f16 rows of an odd
+    length: the router's one-value-per-lane dot."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
@@ -226,7 +226,7 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
         K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, g, u, act,
                                  n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), call
-        assert not scratch.any()
+        assert not scratch[:words - n_tokens * n_experts].any()  # the sync words, for the next call
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -242,7 +242,7 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, w, w, act, n_tokens,
                                  n_experts, hidden, 2, False, 4, short)
-    assert K.router_gate_up_scratch_words(3, 60) == 2 + 3 * 3 + 3 * 60
+    assert K.router_gate_up_scratch_words(33, 60) == 64 + 3 * 64 + 33 * 60  # sync groups of 32 words
 
 
 @pytest.mark.parametrize("device", DEVICES)

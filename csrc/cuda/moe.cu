@@ -132,10 +132,19 @@ struct RouterArgs {
   int normalize;
 };
 
-// Scratch layout (uint32 words; tm_router_gate_up_scratch_words in tornado_moe.h counts them): ticket, left, then
-// per token h_ready, arrived, ids_ready, then float logits [n_tokens, n_experts].
-constexpr int64_t kSyncHeadWords = 2;
-__host__ __device__ inline int64_t router_sync_words(int64_t n_tokens) { return kSyncHeadWords + 3 * n_tokens; }
+// The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket counter, the
+// leaving counter, then per token h_ready, arrived and ids_ready, each group on 128-byte lines of its own (the
+// flag pollers then never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
+struct RouterSync {
+  uint32_t *ticket, *left, *h_ready, *arrived, *ids_ready;
+  float* logits;
+};
+__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
+  const int64_t group = ceil_div(n_tokens, 32) * 32;
+  uint32_t* flags = scratch + 64;
+  return RouterSync{scratch, scratch + 32, flags, flags + group, flags + 2 * group,
+                    reinterpret_cast<float*>(flags + 3 * group)};
+}
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
   return ceil_div(n_experts, kRowsPerBlock);
 }
@@ -145,9 +154,11 @@ __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t t
 }
 
 // Thread 0, after its block's last access to the sync words: the last block to leave zeroes them.
-__device__ __forceinline__ void leave_grid(uint32_t* sync, int64_t n_words) {
-  if (atomicAdd(sync + 1, 1u) != gridDim.x - 1) return;
-  for (int64_t i = 0; i < n_words; ++i) sync[i] = 0;
+__device__ __forceinline__ void leave_grid(const RouterSync& sy, int64_t n_tokens) {
+  if (atomicAdd(sy.left, 1u) != gridDim.x - 1) return;
+  *sy.ticket = 0;
+  *sy.left = 0;
+  for (int64_t t = 0; t < n_tokens; ++t) sy.h_ready[t] = sy.arrived[t] = sy.ids_ready[t] = 0;
 }
 
 // How the router logits are evaluated (chosen on the host from hidden and the alignment, as router.cu does).
@@ -160,14 +171,11 @@ __device__ __forceinline__ float router_logit_mode(const RouterArgs& ra, int mod
   return router_logit<true, true>(ra.w_router, e, hidden, hbuf);
 }
 
-__device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t, int64_t j,
-                                             uint32_t* sync, int64_t n_tokens, float* smem) {
+__device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
+                                             int64_t j, const RouterSync& sy, float* smem) {
   __shared__ int s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  uint32_t* h_ready = sync + kSyncHeadWords;
-  uint32_t* arrived = h_ready + n_tokens;
-  uint32_t* ids_ready = arrived + n_tokens;
-  float* logits = reinterpret_cast<float*>(ids_ready + n_tokens) + t * ra.n_experts;
+  float* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
   float* norm = hbuf + (hidden + 3) / 4 * 4;
   Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
@@ -180,7 +188,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     if (j == 0) ht[i] = v;
   }
   __syncthreads();
-  if (j == 0 && threadIdx.x == 0) flag_release(h_ready + t);
+  if (j == 0 && threadIdx.x == 0) flag_release(sy.h_ready + t);
   const int64_t e = j * kRowsPerBlock + warp;
   if (e < ra.n_experts) {
     const float v = router_logit_mode(ra, mode, e, hidden, hbuf);
@@ -189,7 +197,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    s_last = atomicAdd(arrived + t, 1u) == router_blocks_per_token(ra.n_experts) - 1;
+    s_last = atomicAdd(sy.arrived + t, 1u) == router_blocks_per_token(ra.n_experts) - 1;
   }
   __syncthreads();
   if (s_last && warp == 0) {
@@ -198,7 +206,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
     router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                      ra.weights + t * ra.top_k);
-    if (lane == 0) flag_release(ids_ready + t);  // lane 0 wrote the outputs
+    if (lane == 0) flag_release(sy.ids_ready + t);  // lane 0 wrote the outputs
   }
 }
 
@@ -234,21 +242,24 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
   }
 #endif
   pdl_begin();
-  if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1u);
+  const RouterSync sy = router_sync(sync, n_tokens);
+#if TM_RG_BLOCKIDX_ROLES  // a measurement knob only: no progress guarantee without the ticket
+  const int64_t b = blockIdx.x;
+#else
+  if (threadIdx.x == 0) s_ticket = atomicAdd(sy.ticket, 1u);
   __syncthreads();
   const int64_t b = s_ticket;
-  const int64_t n_words = router_sync_words(n_tokens);
+#endif
   if (b < router_blocks) {
-    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sync, n_tokens, rg_smem);
-    if (threadIdx.x == 0) leave_grid(sync, n_words);
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
+    if (threadIdx.x == 0) leave_grid(sy, n_tokens);
     return;
   }
   const int64_t g = b - router_blocks;
   const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
-  const uint32_t* h_ready = sync + kSyncHeadWords;
-  block_wait_flag(h_ready + t);
-  if (g >= shared_gate_up_blocks(sh, n_tokens)) block_wait_flag(h_ready + 2 * n_tokens + t);  // ids_ready[t]
-  if (threadIdx.x == 0) leave_grid(sync, n_words);
+  block_wait_flag(sy.h_ready + t);
+  if (g >= shared_gate_up_blocks(sh, n_tokens)) block_wait_flag(sy.ids_ready + t);
+  if (threadIdx.x == 0) leave_grid(sy, n_tokens);
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
 }
 

@@ -324,7 +324,8 @@ def router_experts_gate_up(
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
     stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
-    elements, zero before the first call (every call leaves it zero); calls sharing it must not overlap."""
+    elements, zero before the first call (every call leaves its synchronisation words zero; the rest holds
+    the router logits); calls sharing it must not overlap."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
                                   normalize, ffn, scratch, stream_of(act))
