@@ -131,26 +131,31 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 // Integer words only (never a floating-point atomic). A block publishes what its threads stored with
 // __syncthreads() and then flag_release in one thread; a consumer block calls block_wait_flag (every thread), after
 // which all its threads see those stores. A block may only wait for blocks that are already running (kernels hand
-// out roles by an atomic ticket for that), so a wait always ends. The wait polls with relaxed loads and acquires
-// once: an acquire load also invalidates the multiprocessor's L1 (CCTL.IVALL), which at every poll would evict
-// the activations that the other blocks on it are reading.
+// out roles by an atomic ticket for that), so a wait always ends. The release store orders the block's earlier
+// stores (the barrier makes them the releasing thread's predecessors); the wait polls with acquire loads. Polling
+// with relaxed loads and one fence.acq_rel after was slower on the H200 (its MEMBAR lies on every waiting block's
+// path: results/NOTES.md v4i).
 #ifndef TM_FLAG_SPIN_NS
-#define TM_FLAG_SPIN_NS 64
+#define TM_FLAG_SPIN_NS 32
 #endif
 __device__ __forceinline__ void flag_release(uint32_t* flag) {
-  __threadfence();
   asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
 }
-__device__ __forceinline__ uint32_t flag_relaxed(const uint32_t* flag) {
+__device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
   uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
 }
+// Adds 1 to an arrival counter (release of what the block stored before, acquire of what earlier arrivals did);
+// returns the count before.
+__device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
 __device__ __forceinline__ void block_wait_flag(const uint32_t* flag) {
-  if (threadIdx.x == 0) {
-    while (flag_relaxed(flag) == 0) __nanosleep(TM_FLAG_SPIN_NS);
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-  }
+  if (threadIdx.x == 0)
+    while (flag_acquire(flag) == 0) __nanosleep(TM_FLAG_SPIN_NS);
   __syncthreads();
 }
 

@@ -195,13 +195,10 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     if (lane == 0) logits[e] = v;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(sy.arrived + t, 1u) == router_blocks_per_token(ra.n_experts) - 1;
-  }
+  // Release of this block's logits and, for the last to arrive, acquire of every other block's.
+  if (threadIdx.x == 0) s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(ra.n_experts) - 1;
   __syncthreads();
   if (s_last && warp == 0) {
-    __threadfence();
     const float l0 = lane < ra.n_experts ? __ldcg(logits + lane) : 0.0f;
     const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
     router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
