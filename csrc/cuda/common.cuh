@@ -146,13 +146,6 @@ __device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
 }
-// The next ticket of a counter (relaxed: the ticket orders nothing; asm volatile keeps it where it is issued, so
-// that its latency overlaps the work after it).
-__device__ __forceinline__ uint32_t take_ticket(uint32_t* counter) {
-  uint32_t old;
-  asm volatile("atom.add.relaxed.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter));
-  return old;
-}
 // Adds 1 to an arrival counter (release of what the block stored before, acquire of what earlier arrivals did);
 // returns the count before.
 __device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {

@@ -111,18 +111,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 }
 
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
-// Tiles: n_tokens * router_blocks(n_experts) router tiles, then experts_gate_up_kernel's blocks as tiles. The grid
-// is persistent (as many blocks as fit on the GPU at once); a block takes tiles by ticket (an atomic counter,
-// the first after pdl_wait, each next one while the current tile runs) until the tickets run out. A tile waits
-// only for tiles with lower tickets, which running blocks hold (a block's tickets increase, and router tiles,
-// the lowest, wait for nothing), so the grid progresses in whatever order blocks start.
-//   router tile (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
+// Grid: n_tokens * router_blocks(n_experts) router blocks, then experts_gate_up_kernel's blocks. A block's role
+// is its ticket (an atomic counter taken after pdl_wait), not blockIdx: every block waits only for blocks with
+// lower tickets, which are running already, so the grid progresses in whatever order the blocks start.
+//   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
 //     also stores it to h and raises h_ready[t]); warp w computes the logit of expert 8 j + w into the scratch;
 //     the last of the token's router blocks to arrive (an integer counter) runs router_topk_warp on the logits,
 //     writes ids/weights and raises ids_ready[t]. The same functions as router_kernel: the same bits.
-//   shared-expert tile: waits for h_ready[t]; routed tile: for ids_ready[t] too (each once per block and token);
-//   then experts_gate_up_block.
-// The shared tiles thus stream while the router runs, where two launches put a grid-wide dependency between.
+//   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t] too; then experts_gate_up_block.
+// The shared blocks thus stream while the router runs, where two launches put a grid-wide dependency between.
 // The block that leaves last (a counter) zeroes the sync words for the next call.
 struct RouterArgs {
   const float* x;
@@ -223,7 +220,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
-  __shared__ uint32_t s_ticket[2];  // this tile's and the next (a slow warp may still read the one before)
+  __shared__ uint32_t s_ticket;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t per_token = router_blocks_per_token(ra.n_experts);
   const int64_t router_blocks = n_tokens * per_token;
@@ -232,37 +229,35 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
+#if TM_ROUTER_GATE_UP_PREFETCH  // a tuning knob: the likely shared-expert blocks prefetch their rows
+  else if (blockIdx.x < router_blocks + shared_gate_up_blocks(sh, n_tokens)) {
+    const int64_t g = blockIdx.x - router_blocks, r = g / n_tokens * kRowsPerBlock + warp;
+    if (g % n_tokens == 0 && r < sh.ffn) {
+      prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
+      prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
+    }
+  }
+#endif
   pdl_begin();
   const RouterSync sy = router_sync(sync, n_tokens);
-  const int64_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
-  const int64_t n_tiles = router_blocks + sh_blocks + n_tokens * rt.slot_count * ceil_div(rt.ffn, kRowsPerBlock);
-  if (threadIdx.x == 0) s_ticket[0] = take_ticket(sy.ticket);
+#if TM_RG_BLOCKIDX_ROLES  // a measurement knob only: no progress guarantee without the ticket
+  const int64_t b = blockIdx.x;
+#else
+  if (threadIdx.x == 0) s_ticket = atomicAdd(sy.ticket, 1u);
   __syncthreads();
-  int64_t h_seen = -1, ids_seen = -1;  // the token whose flag this block saw raised last (block-uniform)
-  for (int i = 0;; ++i) {
-    const int64_t b = s_ticket[i & 1];
-    if (b >= n_tiles) break;
-    uint32_t next = 0;
-    if (threadIdx.x == 0) next = take_ticket(sy.ticket);  // in flight while this tile runs
-    if (b < router_blocks) {
-      router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
-    } else {
-      const int64_t g = b - router_blocks;
-      const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
-      if (t != h_seen) {
-        block_wait_flag(sy.h_ready + t);
-        h_seen = t;
-      }
-      if (g >= sh_blocks && t != ids_seen) {
-        block_wait_flag(sy.ids_ready + t);
-        ids_seen = t;
-      }
-      experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
-    }
-    if (threadIdx.x == 0) s_ticket[(i + 1) & 1] = next;
-    __syncthreads();
+  const int64_t b = s_ticket;
+#endif
+  if (b < router_blocks) {
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
+    if (threadIdx.x == 0) leave_grid(sy, n_tokens);
+    return;
   }
+  const int64_t g = b - router_blocks;
+  const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
+  block_wait_flag(sy.h_ready + t);
+  if (g >= shared_gate_up_blocks(sh, n_tokens)) block_wait_flag(sy.ids_ready + t);
   if (threadIdx.x == 0) leave_grid(sy, n_tokens);
+  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
 }
 
 // How the shared-expert gate dot product is evaluated (chosen on the host from hidden and the alignment).
@@ -622,9 +617,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(n_experts) + ceil_div(ffn_sh, kRowsPerBlock) +
                                     top_k * ceil_div(ffn, kRowsPerBlock));
-  // More experts than one warp ranks, or more tiles than the 32-bit tickets count: the two launches this one
-  // stands for.
-  if (n_experts > 64 || smem > lim.smem_block || total > INT32_MAX) {
+  // More experts than one warp ranks, or a grid beyond the limits: the two launches this one stands for.
+  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
     return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
@@ -639,14 +633,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    const auto kernel = router_experts_gate_up_kernel<F, V>;
-    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, fn));
-    int per_sm = 0;  // persistent: the blocks that fit at once
-    TM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowsPerBlock * 32,
-                                                              static_cast<size_t>(smem)), fn);
-    const int64_t fit = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * lim.sm_count;
-    const int64_t grid = total < fit ? total : fit;
-    return launch(lim, fn, kernel, dim3(static_cast<unsigned>(grid)),
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
+    return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
                   dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
                   hidden, nblocks, sync);
   });
