@@ -1,6 +1,6 @@
 /*
- * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up, tm_experts_gate_up, tm_moe_down_accumulate and
- * tm_experts_down_accumulate.
+ * moe.cu - routed/shared experts on CUDA: tm_moe_gate_up, tm_experts_gate_up, tm_router_experts_gate_up,
+ * tm_moe_down_accumulate and tm_experts_down_accumulate.
  *
  * gate_up: blocks of 8 warps; grid x = (token, slot) pairs of the call (pair = t * slot_count + (s - slot_begin)),
  *   grid y = tiles of 8 rows of the expert FFN. A warp computes gate row r and up row r of expert ids[t, s] together
@@ -11,6 +11,8 @@
  *   per-slot (slot_count = 1) launches agree bit for bit.
  * experts_gate_up: the blocks of a shared-expert gate_up grid and of a routed one (all slots) in one 1-D grid, each
  *   block doing exactly what it does in its own launch (the same function), so the results are those bits.
+ * router_experts_gate_up: the router's blocks and experts_gate_up's in one grid, ordered by integer flags instead
+ *   of a launch boundary (see the kernel).
  * experts_down_accumulate: the shared expert's down and every slot's in one launch, bitwise the two launches
  *   (experts_down_kernel below).
  * down_accumulate: blocks of 8 warps; grid x = tiles of 8 output rows, grid y = tokens (split by max_grid_yz).
@@ -229,24 +231,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
-#if TM_ROUTER_GATE_UP_PREFETCH  // a tuning knob: the likely shared-expert blocks prefetch their rows
-  else if (blockIdx.x < router_blocks + shared_gate_up_blocks(sh, n_tokens)) {
-    const int64_t g = blockIdx.x - router_blocks, r = g / n_tokens * kRowsPerBlock + warp;
-    if (g % n_tokens == 0 && r < sh.ffn) {
-      prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
-      prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
-    }
-  }
-#endif
   pdl_begin();
   const RouterSync sy = router_sync(sync, n_tokens);
-#if TM_RG_BLOCKIDX_ROLES  // a measurement knob only: no progress guarantee without the ticket
-  const int64_t b = blockIdx.x;
-#else
   if (threadIdx.x == 0) s_ticket = atomicAdd(sy.ticket, 1u);
   __syncthreads();
   const int64_t b = s_ticket;
-#endif
   if (b < router_blocks) {
     router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
     if (threadIdx.x == 0) leave_grid(sy, n_tokens);
@@ -425,6 +414,16 @@ int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up
   return TM_OK;
 }
 
+// Both weight sets of an experts gate-up launch: the shared expert's (expert 0 of one, no ids) and the slots'.
+int experts_gate_up_args(const char* fn, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                         int64_t ffn_sh, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
+                         int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h,
+                         GateUpArgs* sh, GateUpArgs* rt, bool* v) {
+  *v = true;
+  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v));
+  return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v);
+}
+
 // The checks and the layout of one down weight set; gate_mode from gate_inp (nullable) and h.
 int down_args(const char* fn, int qtype, const void* w_down, const float* act, const int32_t* ids,
               const float* weights, const float* gate_inp, const float* h, int64_t top_k, int64_t n_experts,
@@ -516,9 +515,9 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   const char* fn = "tm_experts_gate_up";
   TM_TRY(check_f32_alignment(fn, "h", h));
   GateUpArgs sh, rt;
-  bool v = true;
-  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, &sh, &v));
-  TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, &rt, &v));
+  bool v;
+  TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
+                              n_experts, ffn, hidden, h, &sh, &rt, &v));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, hidden);
@@ -609,9 +608,9 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                 {"w_router", w_router}, {"weights", weights}, {"scratch", scratch}})
     TM_TRY(check_f32_alignment(fn, name, p));
   GateUpArgs sh, rt;
-  bool v = true;
-  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, &sh, &v));
-  TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, &rt, &v));
+  bool v;
+  TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
+                              n_experts, ffn, hidden, h, &sh, &rt, &v));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
