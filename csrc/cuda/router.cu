@@ -36,10 +36,6 @@ constexpr int kRtCluster = 8;
 constexpr int kRtWarps = 8;
 constexpr int kRtThreads = kRtWarps * 32;
 constexpr int64_t kRtMaxChunk = 16384;
-// Blocks per SM the router is compiled for (its register cap); a tuning knob.
-#ifndef TM_ROUTER_MIN_BLOCKS
-#define TM_ROUTER_MIN_BLOCKS 1
-#endif
 
 struct RouterSmem {
   float* hbuf;      // [hidden rounded up to 4] the token's h
@@ -96,7 +92,7 @@ __device__ __forceinline__ void block_best(const RouterSmem& s, float& key, int&
 
 // x == nullptr: h is the input; otherwise h = rmsnorm(x, norm_w, eps) is computed here and stored to h.
 template <bool X4, bool V>
-__global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads, TM_ROUTER_MIN_BLOCKS)
+__global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads, 1)
     router_kernel(const float* x, const float* __restrict__ norm_w, float eps, float* h,
                   const float* __restrict__ w_router, int32_t* __restrict__ ids, float* __restrict__ weights,
                   int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t chunk, int64_t tok0) {
