@@ -4,8 +4,8 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
 - ``attention``, ``attn_output`` (+ residual);
-- ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel (``ffn_norm`` stays a task
-  of its own only for dense models);
+- ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
+  launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
   give bitwise identical hidden states:
   - fused (default): ``router_experts_gate_up`` (the router, the shared expert's gate-up and all slots' in one
@@ -13,8 +13,8 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
     expert's down, then the slots in order, in one launch): 5 launches per layer; when the shared expert's
     formats differ from the routed ones', or there is none, ``router_topk``, ``shared_expert_gate_up``,
     ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and ``routed_experts_down_accumulate``;
-  - per-slot: ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``, ``shared_expert_down`` and
-    ``routed_expert_down_<s>`` for every slot s.
+  - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
+    ``shared_expert_down`` and ``routed_expert_down_<s>`` for every slot s.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
 (the shared expert, or the dense FFN, first; then the routed slots in slot order). Gate-up tasks come before
 the down tasks so that every kernel whose weights are known before its inputs (the shared expert's) can
