@@ -152,7 +152,7 @@ __host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
 }
 // Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks.
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
-  return ((hidden + 3) / 4 * 4 + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
+  return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
 }
 
 // Thread 0, after its block's last access to the sync words: the last block to leave zeroes them.
@@ -163,23 +163,13 @@ __device__ __forceinline__ void leave_grid(const RouterSync& sy, int64_t n_token
   for (int64_t t = 0; t < n_tokens; ++t) sy.h_ready[t] = sy.arrived[t] = sy.ids_ready[t] = 0;
 }
 
-// How the router logits are evaluated (chosen on the host from hidden and the alignment, as router.cu does).
-enum RouterMode : int { kRouterF32 = 0, kRouterF32X4 = 1, kRouterF32X4Vec = 2 };
-
-__device__ __forceinline__ float router_logit_mode(const RouterArgs& ra, int mode, int64_t e, int64_t hidden,
-                                                   const float* hbuf) {
-  if (mode == kRouterF32) return router_logit<false, false>(ra.w_router, e, hidden, hbuf);
-  if (mode == kRouterF32X4) return router_logit<true, false>(ra.w_router, e, hidden, hbuf);
-  return router_logit<true, true>(ra.w_router, e, hidden, hbuf);
-}
-
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
                                              int64_t j, const RouterSync& sy, float* smem) {
   __shared__ int s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
-  float* norm = hbuf + (hidden + 3) / 4 * 4;
+  float* norm = hbuf + router_h_floats(hidden);
   Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
   const float* xt = ra.x + t * hidden;
   float* ht = h + t * hidden;
@@ -193,7 +183,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   if (j == 0 && threadIdx.x == 0) flag_release(sy.h_ready + t);
   const int64_t e = j * kRowsPerBlock + warp;
   if (e < ra.n_experts) {
-    const float v = router_logit_mode(ra, mode, e, hidden, hbuf);
+    const float v = warp_dot_f32_row(mode, ra.w_router + e * hidden, hbuf, hidden);
     if (lane == 0) logits[e] = v;
   }
   __syncthreads();
@@ -249,8 +239,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
 }
 
-// How the shared-expert gate dot product is evaluated (chosen on the host from hidden and the alignment).
-enum GateMode : int { kGateNone = 0, kGateF32 = 1, kGateF32X4 = 2, kGateF32X4Vec = 3 };
+// The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
+constexpr int kGateNone = -1;
 
 struct DownArgs {
   const uint8_t* w_down;
@@ -306,18 +296,9 @@ __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&&
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
-// sigmoid(dot(gate_inp, h_t)) by one warp (warp_dot in the F32 layout: the same bits in every block).
+// sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot: the same bits in every block).
 __device__ __forceinline__ float shared_gate(const float* gate_inp, const float* ht, int64_t hidden, int gate_mode) {
-  const uint8_t* gw[1] = {reinterpret_cast<const uint8_t*>(gate_inp)};
-  const float* gx[1] = {ht};
-  float z[1][1];
-  if (gate_mode == kGateF32)
-    warp_dot<Fmt::F32, 1, 1, true, false>(gw, gx, hidden, z);
-  else if (gate_mode == kGateF32X4)
-    warp_dot<Fmt::F32X4, 1, 1, true, false>(gw, gx, hidden / 4, z);
-  else
-    warp_dot<Fmt::F32X4, 1, 1, true, true>(gw, gx, hidden / 4, z);
-  return sigmoid_f32(z[0][0]);
+  return sigmoid_f32(warp_dot_f32_row(gate_mode, gate_inp, ht, hidden));
 }
 
 template <Fmt F, bool V>
@@ -436,13 +417,7 @@ int down_args(const char* fn, int qtype, const void* w_down, const float* act, c
   const Fmt f = fmt_for(qtype, ffn);
   *a = DownArgs{static_cast<const uint8_t*>(w_down), act, ids, weights, top_k, n_experts, hidden, ffn,
                 tm_qtype_row_bytes(qtype, ffn), ffn / fmt_vals(f)};
-  *gate_mode = kGateNone;
-  if (gate_inp != nullptr) {
-    if (hidden % 4 != 0)
-      *gate_mode = kGateF32;
-    else
-      *gate_mode = (aligned(gate_inp, 16) && aligned(h, 16)) ? kGateF32X4Vec : kGateF32X4;
-  }
+  *gate_mode = gate_inp != nullptr ? f32_row_mode(hidden, aligned(gate_inp, 16) && aligned(h, 16)) : kGateNone;
   *v = fmt_vector_ok(f, w_down, aligned(act, 16));
   return TM_OK;
 }
@@ -624,7 +599,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                    top_k, n_experts, ffn, hidden, stream);
   }
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize};
-  const int router_mode = hidden % 4 != 0 ? kRouterF32 : aligned(w_router, 16) ? kRouterF32X4Vec : kRouterF32X4;
+  const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));  // h sits in shared memory, as in router.cu
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);

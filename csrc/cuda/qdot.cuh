@@ -485,7 +485,29 @@ __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const fl
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
 }
 
+// A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with
+// vector loads when both pointers are 16-byte aligned), else F32. f32_row_mode (host) makes that choice for every
+// caller, so a row gives the same bits in every kernel that reads it.
+enum F32RowMode : int { kF32Row = 0, kF32RowX4 = 1, kF32RowX4Vec = 2 };
+template <bool X4, bool V>
+__device__ __forceinline__ float warp_dot_f32_row(const float* w, const float* x, int64_t n) {
+  const uint8_t* wr[1] = {reinterpret_cast<const uint8_t*>(w)};
+  const float* xs[1] = {x};
+  float out[1][1];
+  warp_dot<X4 ? Fmt::F32X4 : Fmt::F32, 1, 1, true, V>(wr, xs, X4 ? n / 4 : n, out);
+  return out[0][0];
+}
+__device__ __forceinline__ float warp_dot_f32_row(int mode, const float* w, const float* x, int64_t n) {
+  if (mode == kF32Row) return warp_dot_f32_row<false, false>(w, x, n);
+  if (mode == kF32RowX4) return warp_dot_f32_row<true, false>(w, x, n);
+  return warp_dot_f32_row<true, true>(w, x, n);
+}
+
 // ---- host side: choosing the layout -------------------------------------------------------------------------
+
+inline int f32_row_mode(int64_t n, bool aligned16) {
+  return n % 4 != 0 ? kF32Row : aligned16 ? kF32RowX4Vec : kF32RowX4;
+}
 
 // The row layout of `qtype` for rows of `cols` values (depends on the shape only, so results never depend on
 // where the buffers happen to be allocated).

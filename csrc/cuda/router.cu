@@ -49,7 +49,6 @@ struct RouterSmem {
   float* scalars;   // [0] M, [1] Z
 };
 
-__host__ __device__ inline int64_t router_h_floats(int64_t hidden) { return (hidden + 3) / 4 * 4; }
 
 __host__ __device__ inline int64_t router_smem_bytes(int64_t chunk, int64_t top_k, int64_t hidden) {
   return (router_h_floats(hidden) + kNormWarps + 4) * 4 + chunk * 4 + (chunk / 32) * 4 +
@@ -130,7 +129,7 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Logits of chunk c into block 0's buffer (every block of the cluster takes part).
-  auto logit_of = [&](int64_t e) { return router_logit<X4, V>(w_router, e, hidden, s.hbuf); };
+  auto logit_of = [&](int64_t e) { return warp_dot_f32_row<X4, V>(w_router + e * hidden, s.hbuf, hidden); };
   auto compute_chunk = [&](int64_t c, bool first_call) {
     const int64_t e0 = c * chunk;
     const int64_t n = n_experts - e0 < chunk ? n_experts - e0 : chunk;
@@ -311,14 +310,17 @@ int router_entry(const char* fn, const float* x, const float* norm_w, float eps,
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t st = as_stream(stream);
-  if (hidden % 4 != 0)
-    return launch_router<false, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+  switch (f32_row_mode(hidden, aligned(w_router, 16))) {  // h sits in shared memory, 16-byte aligned
+    case kF32Row:
+      return launch_router<false, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                                         hidden, top_k, normalize);
+    case kF32RowX4Vec:
+      return launch_router<true, true>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
                                        hidden, top_k, normalize);
-  if (aligned(w_router, 16))
-    return launch_router<true, true>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
-                                     hidden, top_k, normalize);
-  return launch_router<true, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
-                                    hidden, top_k, normalize);
+    default:
+      return launch_router<true, false>(lim, st, fn, x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts,
+                                        hidden, top_k, normalize);
+  }
 }
 
 }  // namespace

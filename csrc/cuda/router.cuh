@@ -2,7 +2,7 @@
  * router.cuh - internal to csrc/cuda: THE router arithmetic, shared by router_kernel (router.cu) and the router
  * phase of the fused router + expert gate-up kernel (moe.cu), so both give the same ids and weights bit for bit.
  *
- *   logit e = qdot.cuh's warp_dot of the F32 router row e with h (F32X4 when hidden % 4 == 0);
+ *   logit e = qdot.cuh's warp_dot_f32_row of router row e with h (its layout chosen by f32_row_mode);
  *   the pick order: p descending, NaN lowest, then expert id ascending (a strict total order on distinct ids);
  *   router_topk_warp: softmax and top-k of at most 64 logits by one warp (router.cu's file comment gives the
  *   passes; this is their single-chunk form in registers).
@@ -43,16 +43,8 @@ __device__ __forceinline__ void warp_best(float& key, int& id) {
   }
 }
 
-// The logit of expert e (every lane of the warp calls it; all return it). h: the token's hidden vector, in global
-// or shared memory.
-template <bool X4, bool V>
-__device__ __forceinline__ float router_logit(const float* w_router, int64_t e, int64_t hidden, const float* h) {
-  const uint8_t* wr[1] = {reinterpret_cast<const uint8_t*>(w_router + e * hidden)};
-  const float* xs[1] = {h};
-  float logit[1][1];
-  warp_dot<X4 ? Fmt::F32X4 : Fmt::F32, 1, 1, true, V>(wr, xs, X4 ? hidden / 4 : hidden, logit);
-  return logit[0][0];
-}
+// Floats of a token's h in shared memory (rounded up to 4, so what follows stays 16-byte aligned).
+__host__ __device__ inline int64_t router_h_floats(int64_t hidden) { return (hidden + 3) / 4 * 4; }
 
 // ids[r], weights[r] (r < top_k) of one token from s.list-style picks: p, or p / S with S the serial sum of the
 // picked p when normalizing. One thread.
