@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 //     also stores it to h and raises h_ready[t]); warp w computes the logit of expert 8 j + w into the scratch;
 //     the last of the token's router blocks to arrive (an integer counter) runs router_topk_warp on the logits,
 //     writes ids/weights and raises ids_ready[t]. The same functions as router_kernel: the same bits.
-//   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t] too; then experts_gate_up_block.
+//   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t]; then experts_gate_up_block.
 // The shared blocks thus stream while the router runs, where two launches put a grid-wide dependency between.
 // The block that leaves last (a counter) zeroes the sync words for the next call.
 struct RouterArgs {
@@ -233,8 +233,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
   }
   const int64_t g = b - router_blocks;
   const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
-  block_wait_flag(sy.h_ready + t);
-  if (g >= shared_gate_up_blocks(sh, n_tokens)) block_wait_flag(sy.ids_ready + t);
+  // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
+  // before raising ids_ready, so a routed block waits for that flag alone.
+  block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t);
   if (threadIdx.x == 0) leave_grid(sy, n_tokens);
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
 }
