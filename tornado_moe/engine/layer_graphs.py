@@ -112,10 +112,11 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
     # fused router + gate-up launch takes it in.
-    router_args = (act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h, _f32(L, "ffn_gate_inp"), act.expert_ids,
-                   act.expert_weights, T, E, H, k, cfg.normalize_topk)
+    # x, norm_w, eps, h, w_router, ids, weights: the first arguments of both kernels that contain the router
+    router_io = (act.x, _f32(L, "ffn_norm"), cfg.rms_eps, act.h, _f32(L, "ffn_gate_inp"), act.expert_ids,
+                 act.expert_weights)
     router_task: tuple | None = (
-        ("router_topk", "rmsnorm_router_topk", *router_args) if E
+        ("router_topk", "rmsnorm_router_topk", *router_io, T, E, H, k, cfg.normalize_topk) if E
         else ("ffn_norm", "rmsnorm", act.x, _f32(L, "ffn_norm"), act.h, T, H, cfg.rms_eps))
 
     # Shared expert (qwen2moe) or dense FFN (llama): expert 0 of a one-expert stack, same kernels. Every
@@ -147,7 +148,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch.
         if fuse_experts and cfg.shared_ffn and s_qt == qt:
             router_task = None
-            gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_args[:7], qt, sg.data,
+            gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_io, qt, sg.data,
                          su.data, act.act_dense, dffn, wg.data, wu.data, act.act, T, E, H, k,
                          cfg.normalize_topk, ffn, act.router_scratch)]
         if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:

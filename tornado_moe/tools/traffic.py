@@ -71,6 +71,19 @@ def _down_bytes(T: int, w_down: torch.Tensor, ids: torch.Tensor | None, weights:
     return TaskBytes(w, act)
 
 
+def _rmsnorm_router_bytes(T: int, a: dict) -> TaskBytes:
+    io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]  # x read, h written, picks written
+    return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]), io)
+
+
+def _experts_gate_up_bytes(T: int, a: dict) -> TaskBytes:
+    """Both halves of experts_gate_up, h read once."""
+    sh = _gate_up_bytes(T, a["w_gate_sh"], a["w_up_sh"], None, 1, 1, a["ffn_sh"], a["hidden"])
+    rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
+                        a["hidden"])
+    return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - F32 * T * a["hidden"])
+
+
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
     names = KERNEL_ARGS.get(task.kernel)
@@ -103,26 +116,18 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "router_topk":
         return TaskBytes(_nbytes(a["w_router"]), F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"])
     if k == "rmsnorm_router_topk":
-        io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]  # x read, h written, picks written
-        return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]), io)
+        return _rmsnorm_router_bytes(T, a)
     if k == "moe_gate_up":
         return _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["slot_count"], a["n_experts"], a["ffn"],
                               a["hidden"])
     if k == "moe_down_accumulate":
         return _down_bytes(T, a["w_down"], a["ids"], a["weights"], a["gate_inp"], a["slot_count"],
                            a["n_experts"], a["ffn"], a["hidden"])
-    if k == "experts_gate_up":  # both halves, h read once
-        sh = _gate_up_bytes(T, a["w_gate_sh"], a["w_up_sh"], None, 1, 1, a["ffn_sh"], a["hidden"])
-        rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
-                            a["hidden"])
-        return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - F32 * T * a["hidden"])
-    if k == "router_experts_gate_up":  # rmsnorm_router_topk's bytes and experts_gate_up's
-        io = 2 * F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"]
-        sh = _gate_up_bytes(T, a["w_gate_sh"], a["w_up_sh"], None, 1, 1, a["ffn_sh"], a["hidden"])
-        rt = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["top_k"], a["n_experts"], a["ffn"],
-                            a["hidden"])
-        return TaskBytes(_nbytes(a["w_router"]) + _nbytes(a["norm_w"]) + sh.weights + rt.weights,
-                         io + sh.activations + rt.activations - F32 * T * a["hidden"])
+    if k == "experts_gate_up":
+        return _experts_gate_up_bytes(T, a)
+    if k == "router_experts_gate_up":  # the two tasks it stands for
+        r, g = _rmsnorm_router_bytes(T, a), _experts_gate_up_bytes(T, a)
+        return TaskBytes(r.weights + g.weights, r.activations + g.activations)
     if k == "experts_down_accumulate":  # both halves, x read and written once
         sh = _down_bytes(T, a["w_down_sh"], None, None, a["gate_inp_sh"], 1, 1, a["ffn_sh"], a["hidden"])
         rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
