@@ -216,19 +216,35 @@ void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, con
                          as_stream(stream)));
 }
 
+// The tensors of the fused RMSNorm + router (rmsnorm_router_topk and router_experts_gate_up).
+struct RouterPtrs {
+  const float* x;
+  const float* norm_w;
+  float* h;
+  const float* w_router;
+  int32_t* ids;
+  float* weights;
+};
+RouterPtrs router_ptrs(Args& a, const Tensor& x, const Tensor& norm_w, const Tensor& h, const Tensor& w_router,
+                       const Tensor& ids, const Tensor& weights, int64_t n_tokens, int64_t n_experts, int64_t hidden,
+                       int64_t top_k) {
+  return RouterPtrs{a.data<const float>(x, "x", kF32, n_tokens * hidden),
+                    a.data<const float>(norm_w, "norm_w", kF32, hidden),
+                    a.data<float>(h, "h", kF32, n_tokens * hidden),
+                    a.data<const float>(w_router, "w_router", kF32, n_experts * hidden),
+                    a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k),
+                    a.data<float>(weights, "weights", kF32, n_tokens * top_k)};
+}
+
 void rmsnorm_router_topk(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
                          const Tensor& ids, const Tensor& weights, int64_t n_tokens, int64_t n_experts, int64_t hidden,
                          int64_t top_k, bool normalize, int64_t stream) {
   Args a("tornado_moe.rmsnorm_router_topk");
-  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
-  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
-  float* h_p = a.data<float>(h, "h", kF32, n_tokens * hidden);
-  const float* w_p = a.data<const float>(w_router, "w_router", kF32, n_experts * hidden);
-  int32_t* ids_p = a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k);
-  float* wt_p = a.data<float>(weights, "weights", kF32, n_tokens * top_k);
+  const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_rmsnorm_router_topk(a.device(), x_p, nw_p, static_cast<float>(eps), h_p, w_p, ids_p, wt_p, n_tokens,
-                                 n_experts, hidden, top_k, normalize ? 1 : 0, as_stream(stream)));
+  a.check(tm_rmsnorm_router_topk(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
+                                 r.weights, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
+                                 as_stream(stream)));
 }
 
 void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const OptTensor& ids,
@@ -246,23 +262,40 @@ void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const 
                          slot_count, n_experts, ffn, hidden, as_stream(stream)));
 }
 
+// The weights and activations of both gate-up halves (experts_gate_up and router_experts_gate_up).
+struct ExpertsGateUpPtrs {
+  const void* w_gate_sh;
+  const void* w_up_sh;
+  float* act_sh;
+  const void* w_gate;
+  const void* w_up;
+  float* act;
+};
+ExpertsGateUpPtrs experts_gate_up_ptrs(Args& a, int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_sh,
+                                       const Tensor& act_sh, int64_t ffn_sh, const Tensor& w_gate, const Tensor& w_up,
+                                       const Tensor& act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                                       int64_t ffn, int64_t hidden) {
+  const int64_t rb = row_bytes(qtype, hidden);
+  return ExpertsGateUpPtrs{a.weights(w_gate_sh, "w_gate_sh", qtype, ffn_sh * rb),
+                           a.weights(w_up_sh, "w_up_sh", qtype, ffn_sh * rb),
+                           a.data<float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh),
+                           a.weights(w_gate, "w_gate", qtype, n_experts * ffn * rb),
+                           a.weights(w_up, "w_up", qtype, n_experts * ffn * rb),
+                           a.data<float>(act, "act", kF32, n_tokens * top_k * ffn)};
+}
+
 void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh,
                      const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const Tensor& ids, const Tensor& act,
                      int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden,
                      int64_t stream) {
   Args a("tornado_moe.experts_gate_up");
-  const int64_t rb = row_bytes(qtype, hidden);
-  const void* gs_p = a.weights(w_gate_sh, "w_gate_sh", qtype, ffn_sh * rb);
-  const void* us_p = a.weights(w_up_sh, "w_up_sh", qtype, ffn_sh * rb);
-  float* acts_p = a.data<float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
-  const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * ffn * rb);
-  const void* u_p = a.weights(w_up, "w_up", qtype, n_experts * ffn * rb);
+  const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
+                                                   n_tokens, top_k, n_experts, ffn, hidden);
   const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
   const int32_t* ids_p = a.data<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
-  float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_experts_gate_up(a.device(), static_cast<int>(qtype), gs_p, us_p, acts_p, ffn_sh, g_p, u_p, h_p, ids_p,
-                             act_p, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream)));
+  a.check(tm_experts_gate_up(a.device(), static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh, g.w_gate,
+                             g.w_up, h_p, ids_p, g.act, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream)));
 }
 
 void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
@@ -272,24 +305,15 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
                             int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
-  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
-  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
-  float* h_p = a.data<float>(h, "h", kF32, n_tokens * hidden);
-  const float* w_p = a.data<const float>(w_router, "w_router", kF32, n_experts * hidden);
-  int32_t* ids_p = a.data<int32_t>(ids, "ids", kI32, n_tokens * top_k);
-  float* wt_p = a.data<float>(weights, "weights", kF32, n_tokens * top_k);
-  const int64_t rb = row_bytes(qtype, hidden);
-  const void* gs_p = a.weights(w_gate_sh, "w_gate_sh", qtype, ffn_sh * rb);
-  const void* us_p = a.weights(w_up_sh, "w_up_sh", qtype, ffn_sh * rb);
-  float* acts_p = a.data<float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
-  const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * ffn * rb);
-  const void* u_p = a.weights(w_up, "w_up", qtype, n_experts * ffn * rb);
-  float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
+  const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
+  const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
+                                                   n_tokens, top_k, n_experts, ffn, hidden);
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts));
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_router_experts_gate_up(a.device(), x_p, nw_p, static_cast<float>(eps), h_p, w_p, ids_p, wt_p,
-                                    static_cast<int>(qtype), gs_p, us_p, acts_p, ffn_sh, g_p, u_p, act_p, n_tokens,
-                                    n_experts, hidden, top_k, normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
+  a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
+                                    r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
+                                    g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
+                                    ffn, sc_p, as_stream(stream)));
 }
 
 int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
