@@ -48,8 +48,11 @@ def q8_0(rows: int, cols: int, copies: int = 1) -> torch.Tensor:
     return w
 
 
+HOT_L2 = False  # --hot-l2: one copy of every weight and fixed experts, so weights stay in L2 between launches
+
+
 def copies_for(nbytes: int) -> int:
-    return max(1, min(64, math.ceil(POOL_BYTES / nbytes)))
+    return 1 if HOT_L2 else max(1, min(64, math.ceil(POOL_BYTES / nbytes)))
 
 
 def graph_time_us(launch: Callable[[int], None], reps: int, trials: int) -> float:
@@ -132,7 +135,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
 
     # Routed experts: each launch picks 4 distinct experts of 60 (rotating), so weights come from DRAM.
     rot = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(64)]).to(torch.int32)
-    ids_rot = [rot[j:j + 1].contiguous() for j in range(64)]
+    ids_rot = [rot[0 if HOT_L2 else j:][:1].contiguous() for j in range(64)]
 
     def routed_gate_up() -> Callable[[int], None]:
         wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
@@ -153,10 +156,11 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
             n = copies_for(2 * SFFN * rb)
             sg, su = q8_0(SFFN, H, n), q8_0(SFFN, H, n)
             wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
-            xs = [torch.randn(1, H, **f32) for _ in range(16)]  # other inputs, other experts: rows from DRAM
+            # other inputs, other experts: rows from DRAM
+            xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]
             scratch = torch.zeros(K.router_gate_up_scratch_words(1, E), dtype=torch.int32, device="cuda")
             return lambda i: K.router_experts_gate_up(
-                xs[i % 16], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
+                xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
                 wg, wu, act, 1, E, H, TOPK, False, FFN, scratch)
         out.append(("router_experts_gate_up (router + shared + 4 of 60)",
                     E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb, router_experts_gate_up))
@@ -198,9 +202,13 @@ def main() -> int:
     ap.add_argument("--layout", choices=("gguf", "tiled"), default="gguf",
                     help="Q8_0 rows as stored in GGUF, or re-laid out as TM_Q8_0_TILED "
                          "(default: %(default)s)")
+    ap.add_argument("--hot-l2", action="store_true",
+                    help="no weight rotation: every launch finds its weights in L2 (what an L2 prefetch of a "
+                         "kernel's whole weights ahead of it could at best give)")
     ap.add_argument("--json", help="write the report as JSON")
     args = ap.parse_args()
-    global QT
+    global QT, HOT_L2
+    HOT_L2 = args.hot_l2
     if args.layout == "tiled":
         from tornado_moe.quant.tiled import Q8_0_TILED
 
@@ -229,7 +237,8 @@ def main() -> int:
               f"{100 * r['fraction_of_copy_bandwidth']:7.1f}")
     if args.json:
         report = run_info(sys.argv[1:], "cuda", label=args.label, copy_gb_s=round(bw, 1), pdl=pdl,
-                          layout=args.layout, reps=args.reps, trials=args.trials, kernels=rows)
+                          layout=args.layout, hot_l2=args.hot_l2, reps=args.reps, trials=args.trials,
+                          kernels=rows)
         report["command"] = " ".join(["python3", "scripts/kernel_bench.py", *sys.argv[1:]])
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
