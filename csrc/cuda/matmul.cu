@@ -21,8 +21,20 @@ constexpr int kTokenTile = 4;
 // weight value, the larger part of the L1 traffic) are then shared by two rows.
 constexpr int64_t kPairRowsPerSm = 64;
 
+// Blocks per SM on tiled Q8_0 rows at one token: 4 for two rows per warp (the output head: 56 registers before the
+// reader's whole-batch path, which left alone takes 95 and halves the blocks), TM_MATMUL_ROW_MIN_BLOCKS for one
+// row; the compiler's 2-block bound otherwise (results/NOTES.md lesson 6).
+#ifndef TM_MATMUL_ROW_MIN_BLOCKS
+#define TM_MATMUL_ROW_MIN_BLOCKS 3
+#endif
+template <Fmt F, int NR, int NT>
+constexpr int matmul_min_blocks() {
+  if constexpr (F != Fmt::Q8_0T && F != Fmt::Q8_0T16) return TM_WEIGHT_MIN_BLOCKS;
+  return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
+}
+
 template <Fmt F, int NR, int NT, bool V>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
                   int64_t tile0) {

@@ -52,13 +52,15 @@ struct GateUpArgs {
 // while the router runs, and 24.5 MB of prefetches then slowed the router more than they sped this kernel
 // (results/NOTES.md v4h). h is read with plain loads (the fused router kernel writes it in the same grid).
 template <Fmt F, bool V>
+// Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
+// ~70-instruction call, paid by every warp before its first load.
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t hidden, int64_t nblocks,
-                                              int64_t pair, int64_t tile) {
+                                              uint32_t pair, uint32_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = tile * kRowsPerBlock + warp;
+  const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   if (r >= a.ffn) return;
-  const int64_t t = pair / a.slot_count;
-  const int64_t slot = t * a.top_k + a.slot_begin + pair % a.slot_count;
+  const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
+  const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
   float* o = a.act + slot * a.ffn + r;
   if (e < 0 || e >= a.n_experts) {
@@ -73,41 +75,61 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
+// The gate-up kernels on tiled Q8_0 rows: 4 blocks per SM (<= 64 registers; results/NOTES.md lesson 6: occupancy
+// decides these kernels). Left to themselves the compiler gives the reader's whole-batch path (all activation
+// loads in flight) and the fused kernel's router phase (its F32X4 dot) 80-90 registers, and 2-3 blocks per SM.
+// Other formats keep TM_WEIGHT_MIN_BLOCKS (their dots need more registers than 4 blocks leave).
+constexpr int gate_up_min_blocks(Fmt f) {
+  return f == Fmt::Q8_0T || f == Fmt::Q8_0T16 ? 4 : TM_WEIGHT_MIN_BLOCKS;
+}
+
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     moe_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t hidden, int64_t nblocks,
-                       int64_t pair0, int64_t tile0) {
+                       uint32_t pair0, uint32_t tile0) {
   pdl_begin();
   gate_up_block<F, V>(a, h, hidden, nblocks, pair0 + blockIdx.x, tile0 + blockIdx.y);
 }
 
 // Block b of tm_experts_gate_up's 1-D grid: the shared expert's blocks first, then the routed ones; each part
 // numbers its blocks (pair, tile) as moe_gate_up_kernel's grid does (pair fastest).
-__device__ __forceinline__ int64_t shared_gate_up_blocks(const GateUpArgs& sh, int64_t n_tokens) {
-  return n_tokens * ceil_div(sh.ffn, kRowsPerBlock);
+__device__ __forceinline__ uint32_t shared_gate_up_blocks(const GateUpArgs& sh, int64_t n_tokens) {
+  return static_cast<uint32_t>(n_tokens * ceil_div(sh.ffn, kRowsPerBlock));
+}
+// Block b of the grid as (pair, tile) of its part: the shared expert's pairs are tokens.
+struct PairTile {
+  bool shared;
+  uint32_t pair, tile;
+};
+__device__ __forceinline__ PairTile experts_gate_up_tile(const GateUpArgs& sh, const GateUpArgs& rt,
+                                                         int64_t n_tokens, uint32_t b) {
+  const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
+  const bool shared = b < sh_blocks;
+  const uint32_t i = shared ? b : b - sh_blocks;
+  const uint32_t pairs = static_cast<uint32_t>(shared ? n_tokens : n_tokens * rt.slot_count);
+  const uint32_t tile = i / pairs;
+  return PairTile{shared, i - tile * pairs, tile};
 }
 // The token of block b.
-__device__ __forceinline__ int64_t gate_up_block_token(const GateUpArgs& sh, const GateUpArgs& rt, int64_t n_tokens,
-                                                       int64_t b) {
-  const int64_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
-  return b < sh_blocks ? b % n_tokens : ((b - sh_blocks) % (n_tokens * rt.slot_count)) / rt.slot_count;
+__device__ __forceinline__ uint32_t gate_up_block_token(const GateUpArgs& sh, const GateUpArgs& rt, int64_t n_tokens,
+                                                        uint32_t b) {
+  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b);
+  return p.shared ? p.pair : p.pair / static_cast<uint32_t>(rt.slot_count);
 }
 template <Fmt F, bool V>
 __device__ __forceinline__ void experts_gate_up_block(const GateUpArgs& sh, const GateUpArgs& rt, const float* h,
-                                                      int64_t n_tokens, int64_t hidden, int64_t nblocks, int64_t b) {
-  const int64_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
-  if (b < sh_blocks) {
-    gate_up_block<F, V>(sh, h, hidden, nblocks, b % n_tokens, b / n_tokens);
-  } else {
-    const int64_t pairs = n_tokens * rt.slot_count;
-    gate_up_block<F, V>(rt, h, hidden, nblocks, (b - sh_blocks) % pairs, (b - sh_blocks) / pairs);
-  }
+                                                      int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t b) {
+  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b);
+  if (p.shared)  // two calls, not one on a selected reference: each reads its own kernel parameters
+    gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
+  else
+    gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
 }
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     experts_gate_up_kernel(const GateUpArgs sh, const GateUpArgs rt, const float* __restrict__ h, int64_t n_tokens,
-                           int64_t hidden, int64_t nblocks, int64_t block0) {
+                           int64_t hidden, int64_t nblocks, uint32_t block0) {
   pdl_begin();
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, block0 + blockIdx.x);
 }
@@ -199,23 +221,16 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   }
 }
 
-// Tiled Q8_0: 4 blocks per SM, as experts_gate_up_kernel gets from its 54-56 registers (results/NOTES.md lesson
-// 6); left to itself the compiler gives the router phase's F32X4 dot 90 registers, and the whole grid 2 per SM.
-// Other formats keep experts_gate_up_kernel's bound (their dots need more registers than 4 blocks leave).
-constexpr int router_gate_up_min_blocks(Fmt f) {
-  return f == Fmt::Q8_0T || f == Fmt::Q8_0T16 ? 4 : TM_WEIGHT_MIN_BLOCKS;
-}
-
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(F))
+__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t per_token = router_blocks_per_token(ra.n_experts);
-  const int64_t router_blocks = n_tokens * per_token;
+  const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(ra.n_experts));
+  const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -225,14 +240,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(
   const RouterSync sy = router_sync(sync, n_tokens);
   if (threadIdx.x == 0) s_ticket = atomicAdd(sy.ticket, 1u);
   __syncthreads();
-  const int64_t b = s_ticket;
+  const uint32_t b = s_ticket;
   if (b < router_blocks) {
     router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
     if (threadIdx.x == 0) leave_grid(sy, n_tokens);
     return;
   }
-  const int64_t g = b - router_blocks;
-  const int64_t t = gate_up_block_token(sh, rt, n_tokens, g);
+  const uint32_t g = b - router_blocks;
+  const uint32_t t = gate_up_block_token(sh, rt, n_tokens, g);
   // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
   // before raising ids_ready, so a routed block waits for that flag alone.
   block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t);
@@ -382,6 +397,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   *xo = acc;
 }
 
+// The gate-up kernels index blocks with 32 bits (gate_up_block says why).
+int check_gate_up_blocks(const char* fn, int64_t blocks, int64_t n_tokens) {
+  if (blocks < (int64_t{1} << 31)) return TM_OK;
+  return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: n_tokens = %lld needs 2^31 or more blocks", fn,
+                      static_cast<long long>(n_tokens));
+}
+
 // The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                  int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
@@ -468,6 +490,7 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t n_pairs = n_tokens * slot_count;
   const int64_t n_tiles = ceil_div(ffn, kRowsPerBlock);
+  TM_TRY(check_gate_up_blocks(fn, n_pairs * n_tiles, n_tokens));
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
@@ -477,7 +500,8 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
         const int64_t gy = n_tiles - y0 < lim.max_grid_yz ? n_tiles - y0 : lim.max_grid_yz;
         TM_TRY(launch(lim, fn, moe_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                      dim3(kRowsPerBlock * 32), 0, s, a, h, hidden, nblocks, p0, y0));
+                      dim3(kRowsPerBlock * 32), 0, s, a, h, hidden, nblocks, static_cast<uint32_t>(p0),
+                      static_cast<uint32_t>(y0)));
       }
     }
     return TM_OK;
@@ -499,6 +523,7 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t total = n_tokens * (ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
+  TM_TRY(check_gate_up_blocks(fn, total, n_tokens));
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
@@ -506,7 +531,7 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
       TM_TRY(launch(lim, fn, experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx)), dim3(kRowsPerBlock * 32),
-                    0, s, sh, rt, h, n_tokens, hidden, nblocks, b0));
+                    0, s, sh, rt, h, n_tokens, hidden, nblocks, static_cast<uint32_t>(b0)));
     }
     return TM_OK;
   });

@@ -19,10 +19,11 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-// Blocks per SM the kernel is compiled for: 2 for tiled rows (the H200 tuning runs, results/NOTES.md); 0, the
-// compiler's own choice, for the others (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
+// Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
+// takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
+// (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
 #ifndef TM_QKV_MIN_BLOCKS
-#define TM_QKV_MIN_BLOCKS 2
+#define TM_QKV_MIN_BLOCKS 3
 #endif
 template <Fmt F>
 constexpr int qkv_min_blocks() {
