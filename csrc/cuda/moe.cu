@@ -251,8 +251,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
   // before raising ids_ready, so a routed block waits for that flag alone.
   block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t);
+#ifndef TM_RG_LEAVE_LATE
   if (threadIdx.x == 0) leave_grid(sy, n_tokens);
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
+#else  // measurement: the leaving atomic (a round trip warp 0 waits for) after the block's rows, not before
+  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
+  if (threadIdx.x == 0) leave_grid(sy, n_tokens);
+#endif
 }
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
@@ -265,6 +270,12 @@ struct DownArgs {
   const float* weights;
   int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
 };
+
+// Registers per lane of one batch of tiled-row loads in the downs (qdot.cuh's LR): with 12, the shared expert's
+// 5632-value row takes 6 round trips (2 of its 11 groups per batch), 4 slots' 1408-value rows 3.
+#ifndef TM_DOWN_LOAD_REGS
+#define TM_DOWN_LOAD_REGS TM_Q8T_LOAD_REGS
+#endif
 
 // The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
 // activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
@@ -286,7 +297,7 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  warp_dot<F, NR, 1, false, V>(wr, xs, a.nblocks, d);
+  warp_dot<F, NR, 1, false, V, TM_DOWN_LOAD_REGS>(wr, xs, a.nblocks, d);
 }
 
 // acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).

@@ -315,14 +315,6 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
 }
 
-// warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
-// the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
-// the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
-// bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
-// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
-// The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
-// the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
-// slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
 // One batch of warp_dot_q8t: groups g0 .. g0 + kGroups - 1 of a tiled row. Full: every one of them is a whole
 // group (no bounds logic, so the compiler issues all loads, activations included, before the first use); else the
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
@@ -398,92 +390,16 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
 // bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
 // loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
-// The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
-// the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
-// slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-// One batch of warp_dot_q8t: groups g0 .. g0 + kGroups - 1 of a tiled row. Full: every one of them is a whole
-// group (no bounds logic, so the compiler issues all loads, activations included, before the first use); else the
-// last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V>
-__device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                          int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT]) {
-  using T = FmtTraits<Fmt::Q8_0>;
-  const int sub = lane >> 3, part = lane & 7;
-  uint2 c[kGroups][NR][2], sc[kGroups][NR];
-#pragma unroll
-  for (int v = 0; v < kGroups; ++v) {
-    const int g = g0 + v;
-    if (Full || g < ngroups) {
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* code = w[r] + g * 512 + 16 * lane;
-        if constexpr (W16) {
-          const uint4 q = ldg_vec<uint4>(code);
-          c[v][r][0] = make_uint2(q.x, q.y);
-          c[v][r][1] = make_uint2(q.z, q.w);
-        } else {
-          c[v][r][0] = ldg_vec<uint2>(code);
-          c[v][r][1] = ldg_vec<uint2>(code + 8);
-        }
-        sc[v][r] = ldg_vec<uint2>(w[r] + scales + g * 32 + 8 * sub);
-      }
-    } else if (g == ngroups && tail > 0) {
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        // Two pointers per row, formed here: the compiler would otherwise keep one per word and row live
-        // through the whole row (loop-invariant), registers that rows without a tail never use.
-        const uint8_t* code = w[r] + g * 512 + 4 * tail * lane;
-        const uint8_t* scale = w[r] + scales + g * 32 + 2 * tail * sub;
-        uint32_t q[3] = {0, 0, 0}, d[3] = {0, 0, 0};
-#pragma unroll
-        for (int u = 0; u < 3; ++u) {
-          if (u < tail) {
-            q[u] = ldg_vec<uint32_t>(code + 4 * u);
-            d[u] = ldg_u16(scale + 2 * u);
-          }
-        }
-        c[v][r][0] = make_uint2(q[0], q[1]);
-        c[v][r][1] = make_uint2(q[2], 0u);
-        sc[v][r] = make_uint2(d[0] | (d[1] << 16), d[2]);
-      }
-    }
-  }
-#pragma unroll
-  for (int v = 0; v < kGroups; ++v) {
-    const int g = g0 + v;
-    const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (u < width) {
-        typename T::Frag f[NR];  // step g * 4 + u: Q8_0's step, operand for operand
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = c[v][r][u >> 1];
-          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-          f[r] = typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
-        }
-        dot_step<T, NR, NT, SX, V>(acc, f, x, (g * 4 + u) * 4 + sub, part);
-      }
-    }
-  }
-}
-
-// warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
-// the same step order, as from the Q8_0 bytes of the same row, and feeds them to the same FmtTraits<Q8_0>::dot, so
-// the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
-// bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
-// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
 // Whole batches run without bounds logic; the one batch that may hold short groups comes last, as its groups do
 // in the row (the order of the steps is unchanged). Indices are 32-bit (a row has far fewer than 2^31 bytes): the
 // reader's instructions per byte are what bounds the expert kernels (results/NOTES.md).
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V>
+template <bool W16, int NR, int NT, bool SX, bool V, int LR>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
-  constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
+  constexpr int kFit = LR / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31;
   const int nb = static_cast<int>(nblocks), nsteps = nb / 4, ngroups = nsteps / 4, tail = nsteps % 4;
@@ -593,12 +509,14 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
-template <Fmt F, int NR, int NT, bool SX, bool V>
+//   LR       : registers per lane a tiled reader's batch of loads may fill (TM_Q8T_LOAD_REGS unless the kernel
+//              tunes its own); the other layouts ignore it.
+template <Fmt F, int NR, int NT, bool SX, bool V, int LR = TM_Q8T_LOAD_REGS>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16)
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, LR>(w, x, nblocks, out);
   else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
 }
