@@ -250,7 +250,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t t = gate_up_block_token(sh, rt, n_tokens, g);
   // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
   // before raising ids_ready, so a routed block waits for that flag alone.
+#if defined(TM_RG_ROUTED_WAIT_H)  // measurement only (wrong ids): routed blocks do not wait for the router
+  block_wait_flag(sy.h_ready + t);
+#elif defined(TM_RG_SHARED_WAIT_IDS)  // measurement only: shared blocks wait for the whole router too
+  block_wait_flag(sy.ids_ready + t);
+#else
   block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t);
+#endif
 #ifndef TM_RG_LEAVE_LATE
   if (threadIdx.x == 0) leave_grid(sy, n_tokens);
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
