@@ -185,9 +185,10 @@ ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
 @pytest.mark.parametrize("shape", ROUTER_GATE_UP_SHAPES)
 def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layout: str, normalize: bool,
                                                                shape: tuple) -> None:
-    """h, ids, weights and both activations equal rmsnorm_router_topk's then experts_gate_up's; three calls
-    back to back on one scratch (each must leave its sync words zero for the next). f16 rows of an odd
-    length: the router's one-value-per-lane dot."""
+    """h, ids, weights and both activations equal rmsnorm_router_topk's then experts_gate_up's; calls back to
+    back on one scratch, with the token count changing between them (each continues from the sync words the
+    last one left: an epoch, a ticket count back at 0, arrival counters back at 0). f16 rows of an odd length:
+    the router's one-value-per-lane dot."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
@@ -221,12 +222,16 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
 
     words = K.router_gate_up_scratch_words(n_tokens, n_experts)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
-    for call in range(3):
+    fused = device == "cuda" and n_experts <= 64  # else the two calls, which leave the scratch alone
+    calls = [n_tokens, 1, n_tokens] if n_tokens > 1 else [1, 1, 1]
+    for call, n in enumerate(calls):
         h, ids, wt, sh, act = got = outputs()
         K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, g, u, act,
-                                 n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), call
-        assert not scratch[:words - n_tokens * n_experts].any()  # the sync words, for the next call
+                                 n, n_experts, hidden, top_k, normalize, ffn, scratch)
+        assert all(torch.equal(a[:n], b[:n]) for a, b in zip(got, want, strict=True)), call
+        # (ticket count, epoch), then h_ready, arrived and ids_ready in groups of 32 words
+        assert scratch[:2].tolist() == [0, call + 1 if fused else 0], call
+        assert not scratch[64 + 32:64 + 32 + n_tokens].any(), call  # arrival counters back at 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

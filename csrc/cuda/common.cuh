@@ -138,8 +138,9 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 #ifndef TM_FLAG_SPIN_NS
 #define TM_FLAG_SPIN_NS 32
 #endif
-__device__ __forceinline__ void flag_release(uint32_t* flag) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+// A flag is raised to a value (kernels use the call's epoch, so that a flag never needs clearing).
+__device__ __forceinline__ void flag_release(uint32_t* flag, uint32_t value) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 __device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
   uint32_t v;
@@ -153,9 +154,9 @@ __device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {
   asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
   return old;
 }
-__device__ __forceinline__ void block_wait_flag(const uint32_t* flag) {
+__device__ __forceinline__ void block_wait_flag(const uint32_t* flag, uint32_t value) {
   if (threadIdx.x == 0)
-    while (flag_acquire(flag) == 0) __nanosleep(TM_FLAG_SPIN_NS);
+    while (flag_acquire(flag) != value) __nanosleep(TM_FLAG_SPIN_NS);
   __syncthreads();
 }
 

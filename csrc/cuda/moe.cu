@@ -144,7 +144,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 //     writes ids/weights and raises ids_ready[t]. The same functions as router_kernel: the same bits.
 //   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t]; then experts_gate_up_block.
 // The shared blocks thus stream while the router runs, where two launches put a grid-wide dependency between.
-// The block that leaves last (a counter) zeroes the sync words for the next call.
+// Nothing is cleared at the end of a call (that took every block one more atomic round trip): the ticket word
+// holds the call's epoch beside the count (one 64-bit atomic returns both), the block with the last ticket starts
+// the next epoch at count 0, flags are raised to the epoch + 1 (a value older calls never wrote, within 2^32
+// calls) and the last arrival resets its token's counter. Calls of one scratch run one after another (a stream),
+// so no block of the next call reads these words before every block of this one has.
 struct RouterArgs {
   const float* x;
   const float* norm_w;
@@ -156,17 +160,18 @@ struct RouterArgs {
   int normalize;
 };
 
-// The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket counter, the
-// leaving counter, then per token h_ready, arrived and ids_ready, each group on 128-byte lines of its own (the
-// flag pollers then never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
+// The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
+// 64 bits), then per token h_ready, arrived and ids_ready, each group on 128-byte lines of its own (the flag
+// pollers then never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
 struct RouterSync {
-  uint32_t *ticket, *left, *h_ready, *arrived, *ids_ready;
+  unsigned long long* ticket;
+  uint32_t *h_ready, *arrived, *ids_ready;
   float* logits;
 };
 __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   uint32_t* flags = scratch + 64;
-  return RouterSync{scratch, scratch + 32, flags, flags + group, flags + 2 * group,
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group,
                     reinterpret_cast<float*>(flags + 3 * group)};
 }
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
@@ -177,16 +182,8 @@ __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t t
   return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
 }
 
-// Thread 0, after its block's last access to the sync words: the last block to leave zeroes them.
-__device__ __forceinline__ void leave_grid(const RouterSync& sy, int64_t n_tokens) {
-  if (atomicAdd(sy.left, 1u) != gridDim.x - 1) return;
-  *sy.ticket = 0;
-  *sy.left = 0;
-  for (int64_t t = 0; t < n_tokens; ++t) sy.h_ready[t] = sy.arrived[t] = sy.ids_ready[t] = 0;
-}
-
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
-                                             int64_t j, const RouterSync& sy, float* smem) {
+                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
   __shared__ int s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* logits = sy.logits + t * ra.n_experts;
@@ -202,7 +199,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     if (j == 0) ht[i] = v;
   }
   __syncthreads();
-  if (j == 0 && threadIdx.x == 0) flag_release(sy.h_ready + t);
+  if (j == 0 && threadIdx.x == 0) flag_release(sy.h_ready + t, raised);
   const int64_t e = j * kRowsPerBlock + warp;
   if (e < ra.n_experts) {
     const float v = warp_dot_f32_row(mode, ra.w_router + e * hidden, hbuf, hidden);
@@ -210,14 +207,17 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   }
   __syncthreads();
   // Release of this block's logits and, for the last to arrive, acquire of every other block's.
-  if (threadIdx.x == 0) s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(ra.n_experts) - 1;
+  if (threadIdx.x == 0) {
+    s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(ra.n_experts) - 1;
+    if (s_last) sy.arrived[t] = 0;  // every other arrival of this call is in: the counter for the next one
+  }
   __syncthreads();
   if (s_last && warp == 0) {
     const float l0 = lane < ra.n_experts ? __ldcg(logits + lane) : 0.0f;
     const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
     router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                      ra.weights + t * ra.top_k);
-    if (lane == 0) flag_release(sy.ids_ready + t);  // lane 0 wrote the outputs
+    if (lane == 0) flag_release(sy.ids_ready + t, raised);  // lane 0 wrote the outputs
   }
 }
 
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
-  __shared__ uint32_t s_ticket;
+  __shared__ uint32_t s_ticket, s_raised;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(ra.n_experts));
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
@@ -238,32 +238,26 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   }
   pdl_begin();
   const RouterSync sy = router_sync(sync, n_tokens);
-  if (threadIdx.x == 0) s_ticket = atomicAdd(sy.ticket, 1u);
+  if (threadIdx.x == 0) {
+    const unsigned long long v = atomicAdd(sy.ticket, 1ull);
+    const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
+    // Every other block of this call has its ticket: the next call's epoch, from count 0.
+    if (b == gridDim.x - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
+    s_ticket = b;
+    s_raised = epoch + 1;
+  }
   __syncthreads();
-  const uint32_t b = s_ticket;
+  const uint32_t b = s_ticket, raised = s_raised;
   if (b < router_blocks) {
-    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, rg_smem);
-    if (threadIdx.x == 0) leave_grid(sy, n_tokens);
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
     return;
   }
   const uint32_t g = b - router_blocks;
   const uint32_t t = gate_up_block_token(sh, rt, n_tokens, g);
   // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
   // before raising ids_ready, so a routed block waits for that flag alone.
-#if defined(TM_RG_ROUTED_WAIT_H)  // measurement only (wrong ids): routed blocks do not wait for the router
-  block_wait_flag(sy.h_ready + t);
-#elif defined(TM_RG_SHARED_WAIT_IDS)  // measurement only: shared blocks wait for the whole router too
-  block_wait_flag(sy.ids_ready + t);
-#else
-  block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t);
-#endif
-#ifndef TM_RG_LEAVE_LATE
-  if (threadIdx.x == 0) leave_grid(sy, n_tokens);
+  block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t, raised);
   experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
-#else  // measurement: the leaving atomic (a round trip warp 0 waits for) after the block's rows, not before
-  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
-  if (threadIdx.x == 0) leave_grid(sy, n_tokens);
-#endif
 }
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
@@ -276,12 +270,6 @@ struct DownArgs {
   const float* weights;
   int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
 };
-
-// Registers per lane of one batch of tiled-row loads in the downs (qdot.cuh's LR): with 12, the shared expert's
-// 5632-value row takes 6 round trips (2 of its 11 groups per batch), 4 slots' 1408-value rows 3.
-#ifndef TM_DOWN_LOAD_REGS
-#define TM_DOWN_LOAD_REGS TM_Q8T_LOAD_REGS
-#endif
 
 // The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
 // activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
@@ -303,7 +291,7 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  warp_dot<F, NR, 1, false, V, TM_DOWN_LOAD_REGS>(wr, xs, a.nblocks, d);
+  warp_dot<F, NR, 1, false, V>(wr, xs, a.nblocks, d);
 }
 
 // acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
@@ -641,6 +629,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                                    top_k, n_experts, ffn, hidden, stream);
   }
+  if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize};
   const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));  // h sits in shared memory, as in router.cu
   const Fmt f = fmt_for(qtype, hidden);

@@ -396,10 +396,10 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, int LR>
+template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
-  constexpr int kFit = LR / (6 * NR);  // 6 registers per group and row in flight
+  constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31;
   const int nb = static_cast<int>(nblocks), nsteps = nb / 4, ngroups = nsteps / 4, tail = nsteps % 4;
@@ -509,14 +509,12 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
-//   LR       : registers per lane a tiled reader's batch of loads may fill (TM_Q8T_LOAD_REGS unless the kernel
-//              tunes its own); the other layouts ignore it.
-template <Fmt F, int NR, int NT, bool SX, bool V, int LR = TM_Q8T_LOAD_REGS>
+template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16)
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, LR>(w, x, nblocks, out);
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
   else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
 }

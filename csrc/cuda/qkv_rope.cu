@@ -25,10 +25,6 @@ constexpr int kQkvWarps = kNormThreads / 32;
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
 #endif
-// Registers per lane of one batch of tiled-row loads (qdot.cuh's LR; 12: a group per row of the warp's two).
-#ifndef TM_QKV_LOAD_REGS
-#define TM_QKV_LOAD_REGS TM_Q8T_LOAD_REGS
-#endif
 template <Fmt F>
 constexpr int qkv_min_blocks() {
   return F == Fmt::Q8_0T || F == Fmt::Q8_0T16 ? TM_QKV_MIN_BLOCKS : 0;
@@ -82,7 +78,7 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
-  warp_dot<F, 2, 1, true, V, TM_QKV_LOAD_REGS>(rows, xs, a.nblocks, out);
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {

@@ -179,8 +179,8 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                               int64_t ffn, int64_t hidden, void* stream);
 
 /* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 3 * (n_tokens rounded up to 32)
- * synchronisation words (counters and flags, each group on 128-byte lines of its own), then n_tokens * n_experts
- * router logits. */
+ * synchronisation words (a ticket word, counters and flags, each group on 128-byte lines of its own), then
+ * n_tokens * n_experts router logits. */
 static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
   return 64 + 3 * ((n_tokens + 31) / 32 * 32) + n_tokens * n_experts;
 }
@@ -191,10 +191,12 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  *   tm_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens, top_k,
  *                      n_experts, ffn, hidden).
  * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
- * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], all zero before the
- * first call; every call leaves its synchronisation words zero (the logits part is work space). Calls sharing a
- * scratch must not run at the same time (one stream does that). With more than 64 experts, or where the grid would exceed the device's limits, CUDA makes the two calls
- * above instead (the same bits; the scratch is not touched). The CPU always does. */
+ * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], 8-byte aligned, all
+ * zero before the first call; each call leaves the synchronisation words as the next one continues from them (an
+ * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
+ * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, or
+ * where the grid would exceed the device's limits, CUDA makes the two calls above instead (the same bits; the
+ * scratch is not touched). The CPU always does. */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
