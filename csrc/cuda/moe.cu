@@ -51,9 +51,9 @@ struct GateUpArgs {
 // Called after pdl_begin. The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start
 // while the router runs, and 24.5 MB of prefetches then slowed the router more than they sped this kernel
 // (results/NOTES.md v4h). h is read with plain loads (the fused router kernel writes it in the same grid).
-template <Fmt F, bool V>
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
+template <Fmt F, bool V>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t hidden, int64_t nblocks,
                                               uint32_t pair, uint32_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
