@@ -324,8 +324,9 @@ def router_experts_gate_up(
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
     stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
-    elements, zero before the first call (every call leaves its synchronisation words zero; the rest holds
-    the router logits); calls sharing it must not overlap."""
+    elements, zero before the first call (each call leaves the synchronisation words for the next to continue
+    from, whatever its token count; the rest holds the router logits); calls sharing it must not overlap, and
+    nothing else may write it."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
                                   normalize, ffn, scratch, stream_of(act))
