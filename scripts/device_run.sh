@@ -6,8 +6,8 @@
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
-# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench
-# each), TUNING_PROFILE=1 (and profile each).
+# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
+# (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
@@ -63,9 +63,9 @@ if want kernels; then
     timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "new-$layout" --layout $layout ${KB_ARGS:-} \
       --json "$OUT/kernels_$layout.json" | tee "$OUT/kernels_$layout.log"
   done
-  if [ -n "${HOT_KERNELS:-}" ]; then  # weights left in L2 between launches: the bound an L2 prefetch could reach
-    timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new-tiled-hot --layout tiled --hot-l2 ${KB_ARGS:-} \
-      --json "$OUT/kernels_tiled_hot.json" | tee "$OUT/kernels_tiled_hot.log"
+  if [ -n "${HOT_KERNELS:-}" ]; then  # weights left in L2 between launches: what an L2 prefetch could reach
+    timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label new-tiled-hot --layout tiled --hot-l2 \
+      ${KB_ARGS:-} --json "$OUT/kernels_tiled_hot.json" | tee "$OUT/kernels_tiled_hot.log"
   fi
   if want baseline && [ -d .baseline/tornado_moe/_native ]; then
     PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \

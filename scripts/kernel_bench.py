@@ -133,9 +133,10 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         return lambda i: K.moe_gate_up(QT, wg[i % n], wu[i % n], h, None, act_sh, 1, 1, 0, 1, 1, SFFN, H)
     out.append(("shared_expert_gate_up", 2 * SFFN * rb, shared_gate_up))
 
-    # Routed experts: each launch picks 4 distinct experts of 60 (rotating), so weights come from DRAM.
+    # Routed experts: each launch picks 4 distinct experts of 60 (rotating, so weights come from DRAM; the
+    # same 4 with --hot-l2).
     rot = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(64)]).to(torch.int32)
-    ids_rot = [rot[0 if HOT_L2 else j:][:1].contiguous() for j in range(64)]
+    ids_rot = [rot[j:j + 1].contiguous() for j in ([0] * 64 if HOT_L2 else range(64))]
 
     def routed_gate_up() -> Callable[[int], None]:
         wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]

@@ -110,16 +110,9 @@ __device__ __forceinline__ PairTile experts_gate_up_tile(const GateUpArgs& sh, c
   const uint32_t tile = i / pairs;
   return PairTile{shared, i - tile * pairs, tile};
 }
-// The token of block b.
-__device__ __forceinline__ uint32_t gate_up_block_token(const GateUpArgs& sh, const GateUpArgs& rt, int64_t n_tokens,
-                                                        uint32_t b) {
-  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b);
-  return p.shared ? p.pair : p.pair / static_cast<uint32_t>(rt.slot_count);
-}
 template <Fmt F, bool V>
 __device__ __forceinline__ void experts_gate_up_block(const GateUpArgs& sh, const GateUpArgs& rt, const float* h,
-                                                      int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t b) {
-  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b);
+                                                      int64_t hidden, int64_t nblocks, const PairTile& p) {
   if (p.shared)  // two calls, not one on a selected reference: each reads its own kernel parameters
     gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
   else
@@ -131,7 +124,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     experts_gate_up_kernel(const GateUpArgs sh, const GateUpArgs rt, const float* __restrict__ h, int64_t n_tokens,
                            int64_t hidden, int64_t nblocks, uint32_t block0) {
   pdl_begin();
-  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, block0 + blockIdx.x);
+  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, block0 + blockIdx.x);
+  experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
@@ -252,12 +246,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
     return;
   }
-  const uint32_t g = b - router_blocks;
-  const uint32_t t = gate_up_block_token(sh, rt, n_tokens, g);
+  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b - router_blocks);
+  const uint32_t t = p.shared ? p.pair : p.pair / static_cast<uint32_t>(rt.slot_count);  // the block's token
   // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
   // before raising ids_ready, so a routed block waits for that flag alone.
-  block_wait_flag(g < shared_gate_up_blocks(sh, n_tokens) ? sy.h_ready + t : sy.ids_ready + t, raised);
-  experts_gate_up_block<F, V>(sh, rt, h, n_tokens, hidden, nblocks, g);
+  block_wait_flag(p.shared ? sy.h_ready + t : sy.ids_ready + t, raised);
+  experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
@@ -428,6 +422,7 @@ int experts_gate_up_args(const char* fn, int qtype, const void* w_gate_sh, const
                          int64_t ffn_sh, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                          int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h,
                          GateUpArgs* sh, GateUpArgs* rt, bool* v) {
+  TM_TRY(check_f32_alignment(fn, "h", h));
   *v = true;
   TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v));
   return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v);
@@ -518,7 +513,6 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
                                        const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
                                        int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   const char* fn = "tm_experts_gate_up";
-  TM_TRY(check_f32_alignment(fn, "h", h));
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
@@ -610,9 +604,11 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                               int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
                                               int normalize, int64_t ffn, int32_t* scratch, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
-  for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w}, {"h", h},
-                                {"w_router", w_router}, {"weights", weights}, {"scratch", scratch}})
+  for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w},
+                                {"w_router", w_router}, {"weights", weights}})
     TM_TRY(check_f32_alignment(fn, name, p));
+  if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
@@ -629,8 +625,6 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                                    top_k, n_experts, ffn, hidden, stream);
   }
-  if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
-    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize};
   const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));  // h sits in shared memory, as in router.cu
   const Fmt f = fmt_for(qtype, hidden);

@@ -49,7 +49,6 @@ struct RouterSmem {
   float* scalars;   // [0] M, [1] Z
 };
 
-
 __host__ __device__ inline int64_t router_smem_bytes(int64_t chunk, int64_t top_k, int64_t hidden) {
   return (router_h_floats(hidden) + kNormWarps + 4) * 4 + chunk * 4 + (chunk / 32) * 4 +
          2 * top_k * static_cast<int64_t>(sizeof(Pick)) + kRtWarps * 8 + 16;
