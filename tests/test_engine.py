@@ -70,6 +70,52 @@ def test_run_to_run_bitwise_and_sampling_seeded(tiny, device: str) -> None:
     assert c != a  # a different seed must be able to change the sample (12 tokens, vocab 512)
 
 
+def _stepwise(engine: Engine, prompt: list[int], n: int, stop: set[int]) -> list[int]:
+    """generate() written as the plain loop it must equal: one step at a time, each token read back."""
+    out = [0]
+    for t in prompt:
+        out[0] = engine.feed(t)
+    while len(out) < n and out[-1] not in stop:
+        out.append(engine.decode_next())
+    return out
+
+
+def _pipelining_params() -> list:
+    params = [pytest.param("cpu", False, id="cpu")]
+    if GPU:
+        params += [pytest.param("cuda", False, id="cuda-eager", marks=pytest.mark.gpu),
+                   pytest.param("cuda", True, id="cuda-graphs", marks=pytest.mark.gpu)]
+    return params
+
+
+@pytest.mark.parametrize(("device", "cuda_graphs"), _pipelining_params())
+def test_pipelined_generate_is_the_stepwise_loop(tiny, device: str, cuda_graphs: bool) -> None:
+    """generate() launches each step before reading the previous token back, and discards the step launched
+    ahead of a stop token: tokens, positions and a continued conversation (a second generate() on the same
+    sequence, as the chat loop does) must be those of the plain loop."""
+    # sampled, so the tokens vary (greedy decoding of the random tiny model repeats one token)
+    sampler = SamplerConfig(temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    opts = EngineOptions(device=device, cuda_graphs=cuda_graphs, sampler=sampler)
+    free, _ = Engine(tiny, opts).generate(PROMPT, 12)
+    stop = {free[4]}  # a stop token the run meets, early: steps were launched ahead of it
+    first = free.index(free[4]) + 1
+    assert first >= 3 and free[first] != free[first - 1]
+    piped, ref = Engine(tiny, opts), Engine(tiny, opts)
+    a, _ = piped.generate(PROMPT, 12, stop_ids=sorted(stop))
+    b = _stepwise(ref, PROMPT, 12, stop)
+    assert a == b == free[:first]
+    assert piped.position == ref.position == len(PROMPT) + len(a) - 1
+    assert int(piped.act.position.item()) == int(ref.act.position.item()) == piped.position
+    assert piped.decode_next() == ref.decode_next()  # feeds the chosen token from the device buffer
+    turn = [5, 77]
+    c, _ = piped.generate(turn, 6, stop_ids=sorted(stop))
+    d = _stepwise(ref, turn, 6, stop)
+    assert c == d and piped.position == ref.position
+    piped.feed(c[-1])  # and the caches hold the same rows: the next step's logits are bitwise the same
+    ref.feed(d[-1])
+    assert piped.last_logits().cpu().numpy().tobytes() == ref.last_logits().cpu().numpy().tobytes()
+
+
 def test_declared_launch_counts(tiny) -> None:
     cfg = tiny.config
     fused = Engine(tiny, EngineOptions(device="cpu", fuse_experts=True))

@@ -162,34 +162,91 @@ class Engine:
                  stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[list[int], GenerationStats]:
-        """Greedy or sampled continuation of ``prompt_ids`` (the sampler was fixed at construction)."""
+        """Greedy or sampled continuation of ``prompt_ids`` (the sampler was fixed at construction).
+
+        Decode steps are pipelined: each step reads its input token from the device buffer the previous step
+        wrote, so step k + 1 is launched before the host reads token k back, and the device never waits for
+        the host's read, callbacks or next launch (~120 us per token on the H200, results/NOTES.md). A step
+        launched ahead of a stop token is discarded (position and token buffer restored), so the engine's
+        state is that of a plain token-by-token loop (but for last_logits(), which then holds the discarded
+        step's). ``on_logits`` needs each step's logits before the next
+        step overwrites them: with it, steps run one at a time.
+        """
         if not prompt_ids:
             raise InputError("the prompt is empty: give at least one token")
         self._check_room(len(prompt_ids) + max_new_tokens - 1)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        reader = _TokenReader(self.act.tokens)
         sync()
         t0 = time.perf_counter()
-        nxt = 0
         for tok in prompt_ids:
-            nxt = self.feed(tok)
+            self._load_token(tok)
+            self._execute()
+        pending = reader.enqueue()
         sync()
         stats.prefill_s = time.perf_counter() - t0
         out: list[int] = []
         t1 = time.perf_counter()
         while True:
+            ahead = on_logits is None and len(out) + 1 < max_new_tokens
+            if ahead:  # the next step, launched before this step's token is read back
+                self._execute()
+                following = reader.enqueue()
+            nxt = reader.read(pending)
             out.append(nxt)
             if on_logits is not None:
                 on_logits(self.last_logits())
             if on_token is not None:
                 on_token(nxt)
             if len(out) >= max_new_tokens or nxt in stop_ids:
+                if ahead:
+                    self._discard_step(nxt)
                 break
-            nxt = self.decode_next()
+            if ahead:
+                pending = following
+            else:
+                self._execute()
+                pending = reader.enqueue()
         sync()
         stats.decode_s = time.perf_counter() - t1
         stats.generated_tokens = len(out)
         return out, stats
 
+    def _discard_step(self, chosen: int) -> None:
+        """Undoes the last launched step (it ran ahead of a stop token); its KV row is overwritten later."""
+        self.position -= 1
+        self.act.position.fill_(self.position)
+        self.act.tokens[0] = chosen
+
     def close(self) -> None:
         self.plan.close()
+
+
+class _TokenReader:
+    """Reads the chosen token back without stalling the device's stream.
+
+    Each enqueue() copies the token buffer into its own pinned host slot behind the step that wrote it and
+    records an event, so the next step can be queued before the host waits for this one. Two slots suffice:
+    at most one step runs ahead of the token being read.
+    """
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self._tokens = tokens
+        self._cuda = tokens.device.type == "cuda"
+        self._host = torch.zeros(2, dtype=tokens.dtype, pin_memory=self._cuda)
+        self._events = [torch.cuda.Event() for _ in range(2)] if self._cuda else []
+        self._next = 0
+
+    def enqueue(self) -> int:
+        slot = self._next
+        self._next ^= 1
+        self._host[slot : slot + 1].copy_(self._tokens[:1], non_blocking=self._cuda)
+        if self._cuda:
+            self._events[slot].record()
+        return slot
+
+    def read(self, slot: int) -> int:
+        if self._cuda:
+            self._events[slot].synchronize()
+        return int(self._host[slot])
