@@ -299,12 +299,13 @@ __device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_
   return acc;
 }
 
-// Calls fn(s, n) for the slot groups of [begin, end): fours, then a two, then a one.
-template <class Fn>
+// Calls fn(s, n) for the slot groups of [begin, end): groups of kMax (4 or 2), then a two, then a one.
+template <int kMax = 4, class Fn>
 __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&& fn) {
+  static_assert(kMax == 4 || kMax == 2, "slot groups of 4 or 2");
   int64_t s = begin;
-  for (; end - s >= 4; s += 4) fn(s, std::integral_constant<int, 4>{});
-  if (end - s >= 2) {
+  for (; end - s >= kMax; s += kMax) fn(s, std::integral_constant<int, kMax>{});
+  if (kMax == 4 && end - s >= 2) {
     fn(s, std::integral_constant<int, 2>{});
     s += 2;
   }
@@ -349,14 +350,26 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
 // computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits;
 // one routed warp computing it for the block was slower on the H200, results/NOTES.md v4h),
-// warp kSplitRows + w the routed slots' terms for the same row (slot groups as moe_down_kernel), into shared
+// warp kSplitRows + w the routed slots' terms for the same row (slot groups of down_slot_group(FR)), into shared
 // memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the two launches this
 // replaces: the shared term, then the slots in order, each a rounded multiply then a rounded add, from the
 // float32 x read once.
 constexpr int kSplitRows = kRowsPerBlock / 2;
 
+// Tiled rows: 4 blocks per SM (<= 64 registers), where a 4-slot dot's loads took 128 registers and 2 blocks.
+// With slot pairs a routed warp makes as many round trips as a shared warp (a 1408-value routed row is a quarter
+// of a 5632-value shared one; the shared warp reads 2 groups per batch, the routed warp 2 rows of 1 group), so
+// neither half of a block idles on its registers, and the whole grid of a token (hidden / 4 blocks) is resident in
+// one wave. The slot grouping does not change a term's bits (qdot.cuh: a row's result does not depend on how many
+// rows a warp reads at once).
+constexpr bool down_tiled(Fmt s, Fmt r) {
+  return (s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16);
+}
+constexpr int down_min_blocks(Fmt s, Fmt r) { return down_tiled(s, r) ? 4 : TM_WEIGHT_MIN_BLOCKS; }
+constexpr int down_slot_group(Fmt s, Fmt r) { return down_tiled(s, r) ? 2 : 4; }
+
 template <Fmt FS, bool VS, Fmt FR, bool VR>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
   extern __shared__ float down_smem[];  // [kSplitRows][top_k] routed terms, then [kSplitRows] shared terms
@@ -378,7 +391,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
       down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       if (lane == 0) s_shared[row] = __fmul_rn(w_eff[0], d[0][0]);
     } else {
-      for_slot_groups(0, rt.top_k, [&](int64_t s, auto n) {
+      for_slot_groups<down_slot_group(FS, FR)>(0, rt.top_k, [&](int64_t s, auto n) {
         constexpr int NR = decltype(n)::value;
         float d[NR][1], w_eff[NR];
         down_dots<FR, NR, VR>(rt, t, r, s, false, 1.0f, d, w_eff);
@@ -466,9 +479,7 @@ int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs
 
 // Row layouts one experts_down_kernel instantiation may pair (the shared and routed rows differ in length, so a
 // tiled format may differ in load width; any other format must match): the other pairs take two launches.
-constexpr bool down_pair_ok(Fmt s, Fmt r) {
-  return s == r || ((s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16));
-}
+constexpr bool down_pair_ok(Fmt s, Fmt r) { return s == r || down_tiled(s, r); }
 
 }  // namespace
 }  // namespace tm_cuda
