@@ -365,8 +365,14 @@ constexpr int kSplitRows = kRowsPerBlock / 2;
 constexpr bool down_tiled(Fmt s, Fmt r) {
   return (s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16);
 }
-constexpr int down_min_blocks(Fmt s, Fmt r) { return down_tiled(s, r) ? 4 : TM_WEIGHT_MIN_BLOCKS; }
-constexpr int down_slot_group(Fmt s, Fmt r) { return down_tiled(s, r) ? 2 : 4; }
+#ifndef TM_DOWN_TILED_MIN_BLOCKS  // tuning knobs (results/NOTES.md)
+#define TM_DOWN_TILED_MIN_BLOCKS 4
+#endif
+#ifndef TM_DOWN_TILED_SLOT_GROUP
+#define TM_DOWN_TILED_SLOT_GROUP 2
+#endif
+constexpr int down_min_blocks(Fmt s, Fmt r) { return down_tiled(s, r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS; }
+constexpr int down_slot_group(Fmt s, Fmt r) { return down_tiled(s, r) ? TM_DOWN_TILED_SLOT_GROUP : 4; }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
