@@ -8,8 +8,7 @@
  * into several launches.
  * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot + bias, y = y + v, each a
  * rounded add as in the CPU kernel. A (token, row) value is bitwise the same for any n_tokens and any chunking.
- * Before pdl_wait each warp prefetches its weight rows into L2 and loads the first batch of them into registers
- * (common.cuh's protocol: weights are immutable).
+ * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol).
  */
 #include "qdot.cuh"
 
@@ -47,16 +46,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   if (r0 < rows && tile0 + blockIdx.y == 0)
 #pragma unroll
     for (int i = 0; i < NR; ++i) prefetch_row_l2(wr[i], row_bytes, lane);
-  if (r0 >= rows) {  // whole warps leave; no block-wide barrier follows
-    pdl_begin();
-    return;
-  }
+  pdl_begin();
+  if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
   const int64_t t0 = (tile0 + blockIdx.y) * NT;
   const float* xs[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;
   float out[NR][NT];
-  warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out, [] { pdl_begin(); });  // its first weights in flight
+  warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
 #pragma unroll

@@ -356,22 +356,23 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // float32 x read once.
 constexpr int kSplitRows = kRowsPerBlock / 2;
 
-// Tiled rows: 4 blocks per SM (<= 64 registers), where a 4-slot dot's loads took 128 registers and 2 blocks.
-// With slot pairs a routed warp makes as many round trips as a shared warp (a 1408-value routed row is a quarter
-// of a 5632-value shared one; the shared warp reads 2 groups per batch, the routed warp 2 rows of 1 group), so
-// neither half of a block idles on its registers, and the whole grid of a token (hidden / 4 blocks) is resident in
-// one wave. The slot grouping does not change a term's bits (qdot.cuh: a row's result does not depend on how many
-// rows a warp reads at once).
+// Blocks per SM and routed slots per dot on tiled rows, tuning knobs. The defaults (2 blocks, slots in fours:
+// 126-128 registers) measured faster than 4 blocks with slot pairs (64 registers, the grid of a token in one wave,
+// a routed warp making as many round trips as a shared warp): 12.75 against 14.14 us alone on the H200
+// (results/NOTES.md v4k). The slot grouping does not change a term's bits (qdot.cuh: a row's result does not
+// depend on how many rows a warp reads at once).
+#ifndef TM_DOWN_TILED_MIN_BLOCKS
+#define TM_DOWN_TILED_MIN_BLOCKS 2
+#endif
+#ifndef TM_DOWN_TILED_SLOT_GROUP
+#define TM_DOWN_TILED_SLOT_GROUP 4
+#endif
 constexpr bool down_tiled(Fmt s, Fmt r) {
   return (s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16);
 }
-#ifndef TM_DOWN_TILED_MIN_BLOCKS  // tuning knobs (results/NOTES.md)
-#define TM_DOWN_TILED_MIN_BLOCKS 4
-#endif
-#ifndef TM_DOWN_TILED_SLOT_GROUP
-#define TM_DOWN_TILED_SLOT_GROUP 2
-#endif
-constexpr int down_min_blocks(Fmt s, Fmt r) { return down_tiled(s, r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS; }
+constexpr int down_min_blocks(Fmt s, Fmt r) {
+  return down_tiled(s, r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
+}
 constexpr int down_slot_group(Fmt s, Fmt r) { return down_tiled(s, r) ? TM_DOWN_TILED_SLOT_GROUP : 4; }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR>

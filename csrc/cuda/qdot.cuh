@@ -305,13 +305,6 @@ __device__ __forceinline__ void dot_step(float (&acc)[NR][NT], const typename T:
   }
 }
 
-// A warp_dot prologue: what a caller runs once the first batch of weight loads is in flight and before any
-// activation is read (typically pdl_begin() and the activations' own preparation: the weights are immutable, so
-// common.cuh's protocol allows their loads before pdl_wait). NoPrologue: nothing.
-struct NoPrologue {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
@@ -322,46 +315,17 @@ __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
 }
 
-// A weight load that must stay ahead of the prologue's pdl_wait: ptxas sinks read-only (.nc) loads below
-// griddepcontrol.wait to their first use (checked in the SASS), relaxed loads it keeps in program order. Weights
-// never change, so either reads the same bytes (through L2 instead of L1: a row is read once).
-#ifndef TM_EARLY_WEIGHT_LOADS  // 0: a measurement knob (the loads then wait for pdl_wait like the others)
-#define TM_EARLY_WEIGHT_LOADS 1
-#endif
-template <class T, bool Early>
-__device__ __forceinline__ T ld_weights(const uint8_t* p) {
-  if constexpr (!Early) {
-    return ldg_vec<T>(p);
-  } else if constexpr (sizeof(T) == 16) {
-    uint4 v;
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-  } else if constexpr (sizeof(T) == 8) {
-    uint2 v;
-    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-  } else {
-    static_assert(sizeof(T) == 4, "16-, 8- or 4-byte words");
-    uint32_t v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-    return v;
-  }
-}
-
 // One batch of warp_dot_q8t: groups g0 .. g0 + kGroups - 1 of a tiled row. Full: every one of them is a whole
 // group (no bounds logic, so the compiler issues all loads, activations included, before the first use); else the
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, class Pre>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT], Pre&& pre) {
+                                          float (&acc)[NR][NT]) {
   using T = FmtTraits<Fmt::Q8_0>;
-  constexpr bool kEarly = TM_EARLY_WEIGHT_LOADS && !std::is_same_v<std::decay_t<Pre>, NoPrologue>;
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
 #pragma unroll
@@ -371,14 +335,14 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if constexpr (W16) {
-          const uint4 q = ld_weights<uint4, kEarly>(code[r] + v * 512);
+          const uint4 q = ldg_vec<uint4>(code[r] + v * 512);
           c[v][r][0] = make_uint2(q.x, q.y);
           c[v][r][1] = make_uint2(q.z, q.w);
         } else {
-          c[v][r][0] = ld_weights<uint2, kEarly>(code[r] + v * 512);
-          c[v][r][1] = ld_weights<uint2, kEarly>(code[r] + v * 512 + 8);
+          c[v][r][0] = ldg_vec<uint2>(code[r] + v * 512);
+          c[v][r][1] = ldg_vec<uint2>(code[r] + v * 512 + 8);
         }
-        sc[v][r] = ld_weights<uint2, kEarly>(scale[r] + v * 32);
+        sc[v][r] = ldg_vec<uint2>(scale[r] + v * 32);
       }
     } else if (g == ngroups && tail > 0) {
 #pragma unroll
@@ -401,7 +365,6 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-  pre();  // the weights of this batch are in flight: the caller may now wait for its activations
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
@@ -433,9 +396,9 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, class Pre>
+template <bool W16, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                             int64_t nblocks, float (&out)[NR][NT], Pre&& pre) {
+                                             int64_t nblocks, float (&out)[NR][NT]) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31;
@@ -458,7 +421,9 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
 #pragma unroll
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
-  const auto advance = [&]() {
+  int g0 = 0;
+  for (; g0 + kGroups <= ngroups; g0 += kGroups) {
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       code[r] += kGroups * 512;
@@ -466,33 +431,10 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
     }
 #pragma unroll
     for (int i = 0; i < NX; ++i) xg[i] += kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
-  };
-  const int last = ngroups + (tail > 0 ? 1 : 0);  // groups, the tail included
-  int g0 = 0;
-  // With a prologue the first batch is peeled off, so that `pre` runs once with its weight loads in flight.
-  // Without one the loop stays as it was (a peeled copy cost the merged down kernel 112 bytes of spills).
-  if constexpr (!std::is_same_v<std::decay_t<Pre>, NoPrologue>) {
-    if (kGroups <= ngroups) {
-      q8t_batch<kGroups, true, W16, NR, NT, SX, V>(w, code, scale, xg, 0, ngroups, tail, scales, lane, acc, pre);
-      advance();
-      g0 = kGroups;
-    } else {
-      if (last > 0)
-        q8t_batch<kGroups, false, W16, NR, NT, SX, V>(w, code, scale, xg, 0, ngroups, tail, scales, lane, acc, pre);
-      else
-        pre();
-      g0 = last;
-    }
-  }
-  for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                 NoPrologue{});
-    advance();
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
-  if (g0 < last)
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                  NoPrologue{});
+  if (g0 < ngroups + (tail > 0 ? 1 : 0))
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -567,18 +509,14 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
-//   pre      : run once by every lane before the first activation load (NoPrologue above); the tiled reader runs
-//              it with its first batch of weight loads in flight, the others first.
-template <Fmt F, int NR, int NT, bool SX, bool V, class Pre = NoPrologue>
+template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                         int64_t nblocks, float (&out)[NR][NT], Pre&& pre = Pre{}) {
+                                         int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
-  if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16) {
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out, pre);
-  } else {
-    pre();
+  if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16)
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
+  else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
-  }
 }
 
 // A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with

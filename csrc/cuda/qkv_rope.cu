@@ -9,8 +9,7 @@
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
  * (v = dot + bias), and lane 0 rotates them with rope.cuh's rope_rotate, as tm_rope_kv_append does. q goes to `q`,
  * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
- * each warp prefetches its two weight rows into L2 and loads their first batch into registers (the norm then runs
- * while those loads are in flight).
+ * each warp prefetches its two weight rows into L2.
  */
 #include "norm.cuh"
 #include "qdot.cuh"
@@ -70,24 +69,16 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     prefetch_row_l2(a.w[which] + ra * a.row_bytes, a.row_bytes, lane);
     prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
   }
-  // h = rmsnorm(x[t]) into shared memory, by the whole block: each active warp runs it with its first batch of
-  // weights in flight (warp_dot's prologue), an inactive one just before it leaves.
-  const auto norm = [&] {
-    pdl_begin();
-    const float* xt = a.x + t * a.hidden;
-    const float inv = block_rms_inv(xt, a.hidden, a.eps, qkv_h + a.hidden);
-    for (int64_t k = threadIdx.x; k < a.hidden; k += kNormThreads)
-      qkv_h[k] = rms_apply(xt[k], inv, __ldg(a.norm_w + k));
-    __syncthreads();
-  };
-  if (!active) {
-    norm();
-    return;  // no barrier follows
-  }
+  pdl_begin();
+  const float* xt = a.x + t * a.hidden;
+  const float inv = block_rms_inv(xt, a.hidden, a.eps, qkv_h + a.hidden);
+  for (int64_t k = threadIdx.x; k < a.hidden; k += kNormThreads) qkv_h[k] = rms_apply(xt[k], inv, __ldg(a.norm_w + k));
+  __syncthreads();
+  if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
-  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out, norm);
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {
