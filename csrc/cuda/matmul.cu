@@ -29,7 +29,7 @@ constexpr int64_t kPairRowsPerSm = 64;
 #endif
 template <Fmt F, int NR, int NT>
 constexpr int matmul_min_blocks() {
-  if constexpr (F != Fmt::Q8_0T && F != Fmt::Q8_0T16) return TM_WEIGHT_MIN_BLOCKS;
+  if constexpr (!fmt_tiled(F)) return TM_WEIGHT_MIN_BLOCKS;
   return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
 }
 

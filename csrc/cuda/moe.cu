@@ -80,7 +80,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
 // loads in flight) and the fused kernel's router phase (its F32X4 dot) 80-90 registers, and 2-3 blocks per SM.
 // Other formats keep TM_WEIGHT_MIN_BLOCKS (their dots need more registers than 4 blocks leave).
 constexpr int gate_up_min_blocks(Fmt f) {
-  return f == Fmt::Q8_0T || f == Fmt::Q8_0T16 ? 4 : TM_WEIGHT_MIN_BLOCKS;
+  return fmt_tiled(f) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
 
 template <Fmt F, bool V>
@@ -299,13 +299,12 @@ __device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_
   return acc;
 }
 
-// Calls fn(s, n) for the slot groups of [begin, end): groups of kMax (4 or 2), then a two, then a one.
-template <int kMax = 4, class Fn>
+// Calls fn(s, n) for the slot groups of [begin, end): fours, then a two, then a one.
+template <class Fn>
 __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&& fn) {
-  static_assert(kMax == 4 || kMax == 2, "slot groups of 4 or 2");
   int64_t s = begin;
-  for (; end - s >= kMax; s += kMax) fn(s, std::integral_constant<int, kMax>{});
-  if (kMax == 4 && end - s >= 2) {
+  for (; end - s >= 4; s += 4) fn(s, std::integral_constant<int, 4>{});
+  if (end - s >= 2) {
     fn(s, std::integral_constant<int, 2>{});
     s += 2;
   }
@@ -350,33 +349,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
 // computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits;
 // one routed warp computing it for the block was slower on the H200, results/NOTES.md v4h),
-// warp kSplitRows + w the routed slots' terms for the same row (slot groups of down_slot_group(FR)), into shared
+// warp kSplitRows + w the routed slots' terms for the same row (slot groups as moe_down_kernel), into shared
 // memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the two launches this
 // replaces: the shared term, then the slots in order, each a rounded multiply then a rounded add, from the
-// float32 x read once.
+// float32 x read once. 2 blocks per SM (126-128 registers on tiled rows): 4 blocks with routed slots in pairs
+// (64 registers, a token's grid in one wave) was slower on the H200, 14.14 against 12.75 us (results/NOTES.md
+// v4k, aa4308f).
 constexpr int kSplitRows = kRowsPerBlock / 2;
 
-// Blocks per SM and routed slots per dot on tiled rows, tuning knobs. The defaults (2 blocks, slots in fours:
-// 126-128 registers) measured faster than 4 blocks with slot pairs (64 registers, the grid of a token in one wave,
-// a routed warp making as many round trips as a shared warp): 12.75 against 14.14 us alone on the H200
-// (results/NOTES.md v4k). The slot grouping does not change a term's bits (qdot.cuh: a row's result does not
-// depend on how many rows a warp reads at once).
-#ifndef TM_DOWN_TILED_MIN_BLOCKS
-#define TM_DOWN_TILED_MIN_BLOCKS 2
-#endif
-#ifndef TM_DOWN_TILED_SLOT_GROUP
-#define TM_DOWN_TILED_SLOT_GROUP 4
-#endif
-constexpr bool down_tiled(Fmt s, Fmt r) {
-  return (s == Fmt::Q8_0T || s == Fmt::Q8_0T16) && (r == Fmt::Q8_0T || r == Fmt::Q8_0T16);
-}
-constexpr int down_min_blocks(Fmt s, Fmt r) {
-  return down_tiled(s, r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
-}
-constexpr int down_slot_group(Fmt s, Fmt r) { return down_tiled(s, r) ? TM_DOWN_TILED_SLOT_GROUP : 4; }
-
 template <Fmt FS, bool VS, Fmt FR, bool VR>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
+__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
   extern __shared__ float down_smem[];  // [kSplitRows][top_k] routed terms, then [kSplitRows] shared terms
@@ -398,7 +380,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       if (lane == 0) s_shared[row] = __fmul_rn(w_eff[0], d[0][0]);
     } else {
-      for_slot_groups<down_slot_group(FS, FR)>(0, rt.top_k, [&](int64_t s, auto n) {
+      for_slot_groups(0, rt.top_k, [&](int64_t s, auto n) {
         constexpr int NR = decltype(n)::value;
         float d[NR][1], w_eff[NR];
         down_dots<FR, NR, VR>(rt, t, r, s, false, 1.0f, d, w_eff);
@@ -486,7 +468,7 @@ int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs
 
 // Row layouts one experts_down_kernel instantiation may pair (the shared and routed rows differ in length, so a
 // tiled format may differ in load width; any other format must match): the other pairs take two launches.
-constexpr bool down_pair_ok(Fmt s, Fmt r) { return s == r || down_tiled(s, r); }
+constexpr bool down_pair_ok(Fmt s, Fmt r) { return s == r || (fmt_tiled(s) && fmt_tiled(r)); }
 
 }  // namespace
 }  // namespace tm_cuda

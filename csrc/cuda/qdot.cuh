@@ -35,6 +35,7 @@ namespace tm_cuda {
 // Q8_0T / Q8_0T16 are TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout with
 // 8-byte code loads, or 16-byte ones when every row is 16-byte aligned (rows of a multiple of 256 values).
 enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+constexpr bool fmt_tiled(Fmt f) { return f == Fmt::Q8_0T || f == Fmt::Q8_0T16; }
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
 // output, or live in shared memory).
@@ -513,7 +514,7 @@ template <Fmt F, int NR, int NT, bool SX, bool V>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
-  if constexpr (F == Fmt::Q8_0T || F == Fmt::Q8_0T16)
+  if constexpr (fmt_tiled(F))
     warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
   else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);

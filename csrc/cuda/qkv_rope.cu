@@ -27,7 +27,7 @@ constexpr int kQkvWarps = kNormThreads / 32;
 #endif
 template <Fmt F>
 constexpr int qkv_min_blocks() {
-  return F == Fmt::Q8_0T || F == Fmt::Q8_0T16 ? TM_QKV_MIN_BLOCKS : 0;
+  return fmt_tiled(F) ? TM_QKV_MIN_BLOCKS : 0;
 }
 
 struct QkvArgs {
