@@ -7,7 +7,8 @@
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
-# (this tree rebuilt per entry), KB_ARGS, TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each).
+# (this tree rebuilt per entry), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g.
+# `--layout tiled` for a baseline that has it), TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
@@ -35,11 +36,24 @@ configure() {  # source dir, build dir, log[, extra nvcc flags]
     ${4:+"-DCMAKE_CUDA_FLAGS=$4"} -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$3" 2>&1 \
     && cmake --build "$2" -j16 >> "$3" 2>&1
 }
+# Tuning builds (TUNING="name:nvcc -D flags;..."): this tree rebuilt per entry, in the background from the start
+# (compiling is CPU work; the GPU stages run meanwhile), waited for by the tuning stage.
+IFS=';' read -ra TUNES <<< "${TUNING:-}"
+TUNE_PIDS=()
+if want tuning; then
+  for t in "${TUNES[@]}"; do
+    name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
+    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude=./.baseline --exclude=./.whl . | tar -x -C "$dir"
+    (renice -n 10 "$BASHPID" > /dev/null; configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags") &
+    TUNE_PIDS+=($!)
+  done
+fi
 if want build; then
   stamp build
-  [ -d .baseline ] && want baseline && { configure .baseline build/baseline "$OUT/build_baseline.log" & }
+  BASE_PID=""
+  [ -d .baseline ] && want baseline && { configure .baseline build/baseline "$OUT/build_baseline.log" & BASE_PID=$!; }
   configure . build/gpu "$OUT/build.log" || { tail -60 "$OUT/build.log"; exit 1; }
-  wait
+  [ -n "$BASE_PID" ] && wait "$BASE_PID"
   cp .jni/tornado-moe.jar tornado_moe/_native/
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 fi
@@ -69,25 +83,19 @@ if want kernels; then
   fi
   if want baseline && [ -d .baseline/tornado_moe/_native ]; then
     PYTHONPATH=/tmp/site:$ROOT/.baseline TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} timeout -k 10 "$(left 60)" \
-      $PY scripts/kernel_bench.py --label baseline ${KB_ARGS:-} --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
+      $PY scripts/kernel_bench.py --label baseline ${BASELINE_KB_ARGS:-${KB_ARGS:-}} --json "$OUT/kernels_baseline.json" | tee "$OUT/kernels_baseline.log"
   fi
 fi
-if want tuning; then  # TUNING="name:nvcc -D flags;...": this tree rebuilt per entry, its tiled kernels timed
+if want tuning; then  # the tuning builds' tiled kernels timed
   stamp "tuning builds: ${TUNING:-}"
-  IFS=';' read -ra TUNES <<< "${TUNING:-}"
-  for t in "${TUNES[@]}"; do
-    name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
-    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude=./.baseline --exclude=./.whl . | tar -x -C "$dir"
-    configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags" &
-  done
-  wait
+  for p in "${TUNE_PIDS[@]}"; do wait "$p"; done
   for t in "${TUNES[@]}"; do
     name=${t%%:*}
     PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
-      --layout tiled ${KB_ARGS:-} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
+      --layout tiled ${TUNING_KB_ARGS:-${KB_ARGS:-}} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
   if [ -n "${TUNING_BENCH:-}" ]; then  # and each build end to end (fused + graphs, torch), after the synthesis
-    SYNTH=""  # the builds' `wait` above waited for the synthesis too
+    [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
     for t in "${TUNES[@]}"; do
       name=${t%%:*}
       # from its own tree: `python -m` puts the working directory first on the path
