@@ -346,55 +346,85 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   if (lane == 0) *xo = acc;
 }
 
-// tm_experts_down_accumulate: blocks of 8 warps for kSplitRows output rows of one token. Warp w < kSplitRows
-// computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the same bits;
-// one routed warp computing it for the block was slower on the H200, results/NOTES.md v4h),
-// warp kSplitRows + w the routed slots' terms for the same row (slot groups as moe_down_kernel), into shared
-// memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the two launches this
-// replaces: the shared term, then the slots in order, each a rounded multiply then a rounded add, from the
-// float32 x read once. 2 blocks per SM (126-128 registers on tiled rows): 4 blocks with routed slots in pairs
-// (64 registers, a token's grid in one wave) was slower on the H200, 14.14 against 12.75 us (results/NOTES.md
-// v4k, aa4308f).
+// The dot products dot(W_down[e][ra], act[t, s]) and dot(W_down[e][ra + 1], act[t, s]) of slot s (expert e):
+// two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
+// slot's factor w_eff (NaN for an expert id out of range). rb is ra + 1, or ra itself at the last row of an odd
+// hidden size (computed twice, stored once).
+template <Fmt F, bool V>
+__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
+                                              float (&d)[2][1], float& w_eff) {
+  const int64_t slot = t * a.top_k + s;
+  int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+  const bool bad = e < 0 || e >= a.n_experts;
+  if (bad) e = 0;
+  const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
+  const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
+  const float* xs[1] = {a.act + slot * a.ffn};
+  warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
+  w_eff = bad ? kNaN : (a.weights != nullptr ? a.weights[slot] : 1.0f);
+}
+
+// tm_experts_down_accumulate: blocks of 8 warps for kSplitRows = 4 output rows r0 .. r0 + 3 of one token.
+//   Warp w < 4 computes the shared expert's term for row r0 + w (after the gate, which each of them computes: the
+//   same bits; one routed warp computing it for the block was slower on the H200, results/NOTES.md v4h).
+//   Warp 4 + j computes the routed terms of the row pair r0 + 2 (j / 2), + 1 for the slots s = j % 2, j % 2 + 2, ..:
+//   the pair shares each slot's activation loads, and with the slots split over two warps a routed warp reads as
+//   many bytes (2 rows x 2 of 4 slots x 1408 values) as a shared warp (one 5632-value row). So no warp of a block
+//   idles while the others finish, and the loads fit 64 registers: 4 blocks per SM on tiled rows, a token's grid
+//   (hidden / 4 blocks) resident in one wave. (v4j: one row x 4 slots per routed warp, 126-128 registers, 2 blocks;
+//   v4k tried one row x 2 pairs of slots at 4 blocks, whose per-row activations doubled the loads: both slower.)
+//   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
+//   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
+//   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
+//   depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
+constexpr int down_min_blocks(Fmt s, Fmt r) {
+  return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
+}
 
 template <Fmt FS, bool VS, Fmt FR, bool VR>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
+__global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
   extern __shared__ float down_smem[];  // [kSplitRows][top_k] routed terms, then [kSplitRows] shared terms
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = warp % kSplitRows;
   const int64_t t = tok0 + blockIdx.y;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kSplitRows + row;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kSplitRows;
   const bool shared_warp = warp < kSplitRows;
-  if (shared_warp && r < sh.hidden && t == 0)  // the shared expert's rows are known up front
-    prefetch_row_l2(sh.w_down + r * sh.row_bytes, sh.row_bytes, lane);
+  if (shared_warp && r0 + warp < sh.hidden && t == 0)  // the shared expert's rows are known up front
+    prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   pdl_begin();
-  if (r < sh.hidden) {
-    if (shared_warp) {
+  if (shared_warp) {
+    const int64_t r = r0 + warp;
+    if (r < sh.hidden) {
       float gate = 1.0f;
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
       float d[1][1], w_eff[1];
       down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
-      if (lane == 0) s_shared[row] = __fmul_rn(w_eff[0], d[0][0]);
-    } else {
-      for_slot_groups(0, rt.top_k, [&](int64_t s, auto n) {
-        constexpr int NR = decltype(n)::value;
-        float d[NR][1], w_eff[NR];
-        down_dots<FR, NR, VR>(rt, t, r, s, false, 1.0f, d, w_eff);
-        if (lane == 0)
-#pragma unroll
-          for (int i = 0; i < NR; ++i) s_routed[row * rt.top_k + s + i] = __fmul_rn(w_eff[i], d[i][0]);
-      });
+      if (lane == 0) s_shared[warp] = __fmul_rn(w_eff[0], d[0][0]);
+    }
+  } else {
+    const int j = warp - kSplitRows, pair = 2 * (j >> 1);  // the pair's first row, relative to r0
+    const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
+    if (ra < rt.hidden) {
+      for (int64_t s = j & 1; s < rt.top_k; s += 2) {
+        float d[2][1], w_eff;
+        down_row_pair<FR, VR>(rt, t, ra, rb, s, d, w_eff);
+        if (lane == 0) {
+          s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
+          if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
+        }
+      }
     }
   }
   __syncthreads();
+  const int64_t r = r0 + warp;
   if (!shared_warp || lane != 0 || r >= sh.hidden) return;
   float* xo = x + t * sh.hidden + r;
-  float acc = __fadd_rn(__ldcg(xo), s_shared[row]);  // in place: read around L1 (common.cuh)
-  for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[row * rt.top_k + s]);
+  float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
+  for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
   *xo = acc;
 }
 
