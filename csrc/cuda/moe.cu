@@ -47,15 +47,15 @@ struct GateUpArgs {
   int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
 };
 
-// Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2).
-// Called after pdl_begin. The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start
+// Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
+// h[t] = h + t * h_stride (h_stride 0: the block's token row, e.g. in shared memory). Called after pdl_begin. The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start
 // while the router runs, and 24.5 MB of prefetches then slowed the router more than they sped this kernel
 // (results/NOTES.md v4h). h is read with plain loads (the fused router kernel writes it in the same grid).
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 template <Fmt F, bool V>
-__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t hidden, int64_t nblocks,
-                                              uint32_t pair, uint32_t tile) {
+__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
+                                              int64_t nblocks, uint32_t pair, uint32_t tile) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   if (r >= a.ffn) return;
@@ -69,7 +69,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   }
   const int64_t off = (e * a.ffn + r) * a.row_bytes;
   const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
-  const float* xs[1] = {h + t * hidden};
+  const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
@@ -129,15 +129,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 }
 
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
-// Grid: n_tokens * router_blocks(n_experts) router blocks, then experts_gate_up_kernel's blocks. A block's role
-// is its ticket (an atomic counter taken after pdl_wait), not blockIdx: every block waits only for blocks with
-// lower tickets, which are running already, so the grid progresses in whatever order the blocks start.
+// Grid: n_tokens * router_blocks(n_experts) ticketed blocks, then the shared expert's gate-up blocks (by blockIdx),
+// then as many ticketed blocks as the routed gate-up has. A ticketed block's role is its ticket (an atomic counter
+// taken after pdl_wait), not blockIdx: tickets below the router block count make router blocks, the others routed
+// gate-up blocks, and a routed block waits only for router blocks, which hold lower tickets and so are running
+// already: the grid progresses in whatever order the blocks start.
 //   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
-//     also stores it to h and raises h_ready[t]); warp w computes the logit of expert 8 j + w into the scratch;
-//     the last of the token's router blocks to arrive (an integer counter) runs router_topk_warp on the logits,
-//     writes ids/weights and raises ids_ready[t]. The same functions as router_kernel: the same bits.
-//   shared-expert block: waits for h_ready[t]; routed block: for ids_ready[t]; then experts_gate_up_block.
-// The shared blocks thus stream while the router runs, where two launches put a grid-wide dependency between.
+//     also stores it to h); warp w computes the logit of expert 8 j + w into the scratch; the last of the token's
+//     router blocks to arrive (an integer counter) runs router_topk_warp on the logits, writes ids/weights and
+//     raises ids_ready[t]. The same functions as router_kernel: the same bits.
+//   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
+//     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
+//     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
+//   routed block: waits for ids_ready[t] (which implies h: router block 0 stored h before its arrival, a release
+//     the last arrival acquired before raising the flag), then experts_gate_up_block.
 // Nothing is cleared at the end of a call (that took every block one more atomic round trip): the ticket word
 // holds the call's epoch beside the count (one 64-bit atomic returns both), the block with the last ticket starts
 // the next epoch at count 0, flags are raised to the epoch + 1 (a value older calls never wrote, within 2^32
@@ -155,18 +160,18 @@ struct RouterArgs {
 };
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
-// 64 bits), then per token h_ready, arrived and ids_ready, each group on 128-byte lines of its own (the flag
-// pollers then never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
+// 64 bits), then per token arrived and ids_ready, each group on 128-byte lines of its own (the flag pollers then
+// never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
 struct RouterSync {
   unsigned long long* ticket;
-  uint32_t *h_ready, *arrived, *ids_ready;
+  uint32_t *arrived, *ids_ready;
   float* logits;
 };
 __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   uint32_t* flags = scratch + 64;
-  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group,
-                    reinterpret_cast<float*>(flags + 3 * group)};
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group,
+                    reinterpret_cast<float*>(flags + 2 * group)};
 }
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
   return ceil_div(n_experts, kRowsPerBlock);
@@ -184,23 +189,14 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   float* hbuf = smem;
   float* norm = hbuf + router_h_floats(hidden);
   Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
-  const float* xt = ra.x + t * hidden;
-  float* ht = h + t * hidden;
-  const float inv = block_rms_inv(xt, hidden, ra.eps, norm);
-  for (int64_t i = threadIdx.x; i < hidden; i += kNormThreads) {
-    const float v = rms_apply(xt[i], inv, __ldg(ra.norm_w + i));
-    hbuf[i] = v;
-    if (j == 0) ht[i] = v;
-  }
-  __syncthreads();
-  if (j == 0 && threadIdx.x == 0) flag_release(sy.h_ready + t, raised);
+  block_rmsnorm(ra.x + t * hidden, ra.norm_w, hidden, ra.eps, hbuf, j == 0 ? h + t * hidden : nullptr, norm);
   const int64_t e = j * kRowsPerBlock + warp;
   if (e < ra.n_experts) {
     const float v = warp_dot_f32_row(mode, ra.w_router + e * hidden, hbuf, hidden);
     if (lane == 0) logits[e] = v;
   }
   __syncthreads();
-  // Release of this block's logits and, for the last to arrive, acquire of every other block's.
+  // Release of this block's logits (and of block 0's h) and, for the last to arrive, acquire of every other's.
   if (threadIdx.x == 0) {
     s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(ra.n_experts) - 1;
     if (s_last) sy.arrived[t] = 0;  // every other arrival of this call is in: the counter for the next one
@@ -219,24 +215,32 @@ template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
-  static_assert(kRowsPerBlock * 32 == kNormThreads, "router blocks compute norm.cuh's tree");
+  static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket, s_raised;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(ra.n_experts));
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
+  const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
   pdl_begin();
+  if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
+    const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
+    float* hbuf = rg_smem;
+    block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
+    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    return;
+  }
   const RouterSync sy = router_sync(sync, n_tokens);
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
-    // Every other block of this call has its ticket: the next call's epoch, from count 0.
-    if (b == gridDim.x - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
+    // Every other ticketed block of this call has its ticket: the next call's epoch, from count 0.
+    if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
     s_ticket = b;
     s_raised = epoch + 1;
   }
@@ -246,13 +250,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
     return;
   }
-  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, b - router_blocks);
-  const uint32_t t = p.shared ? p.pair : p.pair / static_cast<uint32_t>(rt.slot_count);  // the block's token
-  // ids_ready implies h: router block 0 stored h before its arrival (a release), which the last arrival acquired
-  // before raising ids_ready, so a routed block waits for that flag alone.
-  block_wait_flag(p.shared ? sy.h_ready + t : sy.ids_ready + t, raised);
-  experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
+  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
+  block_wait_flag(sy.ids_ready + p.pair / static_cast<uint32_t>(rt.slot_count), raised);
+  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
 }
+
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
 constexpr int kGateNone = -1;

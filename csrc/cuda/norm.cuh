@@ -49,6 +49,33 @@ __device__ __forceinline__ float block_rms_inv(const float* x, int64_t dim, floa
   return inv;
 }
 
+// out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by a block of
+// kNormThreads threads, then a barrier: block_rms_inv's tree, so the bits tm_rmsnorm writes. The weights of the
+// first 8 * kNormThreads values are loaded before the reduction, so that their round trip overlaps x's.
+__device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
+                                              float* copy, float* scratch) {
+  constexpr int kHeld = 8;
+  float wv[kHeld];
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
+    wv[k] = i < dim ? __ldg(w + i) : 0.0f;
+  }
+  const float inv = block_rms_inv(x, dim, eps, scratch);
+  auto put = [&](int64_t i, float wi) {
+    const float v = rms_apply(x[i], inv, wi);
+    out[i] = v;
+    if (copy != nullptr) copy[i] = v;
+  };
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
+    if (i < dim) put(i, wv[k]);
+  }
+  for (int64_t i = threadIdx.x + kHeld * kNormThreads; i < dim; i += kNormThreads) put(i, __ldg(w + i));
+  __syncthreads();
+}
+
 }  // namespace tm_cuda
 
 #endif

@@ -111,17 +111,11 @@ __global__ void __cluster_dims__(kRtCluster, 1, 1) __launch_bounds__(kRtThreads,
   // The token's h into shared memory.
   float* ht = h + t * hidden;
   if (x != nullptr) {
-    const float* xt = x + t * hidden;
-    const float inv = block_rms_inv(xt, hidden, eps, s.norm);
-    for (int64_t i = threadIdx.x; i < hidden; i += kRtThreads) {
-      const float v = rms_apply(xt[i], inv, __ldg(norm_w + i));
-      s.hbuf[i] = v;
-      if (rank == 0) ht[i] = v;
-    }
+    block_rmsnorm(x + t * hidden, norm_w, hidden, eps, s.hbuf, rank == 0 ? ht : nullptr, s.norm);
   } else {
     for (int64_t i = threadIdx.x; i < hidden; i += kRtThreads) s.hbuf[i] = ht[i];
+    __syncthreads();
   }
-  __syncthreads();
 
   // Distributed shared memory may be written only once every block of the cluster has started: each block
   // arrives here and waits (in the first compute_chunk) after its first dot product, before its first remote write.
