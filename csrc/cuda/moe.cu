@@ -373,8 +373,10 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   the pair shares each slot's activation loads, and with the slots split over two warps a routed warp reads as
 //   many bytes (2 rows x 2 of 4 slots x 1408 values) as a shared warp (one 5632-value row). So no warp of a block
 //   idles while the others finish, and the loads fit 64 registers: 4 blocks per SM on tiled rows, a token's grid
-//   (hidden / 4 blocks) resident in one wave. (v4j: one row x 4 slots per routed warp, 126-128 registers, 2 blocks;
-//   v4k tried one row x 2 pairs of slots at 4 blocks, whose per-row activations doubled the loads: both slower.)
+//   (hidden / 4 blocks) resident in one wave. In the decode chain this is 1.5 us per layer faster than v4j's shape
+//   (one row x 4 slots per routed warp, 126-128 registers, 2 blocks per SM), though slower launched back to back
+//   alone (kernel_bench 14.0 against 12.7 us); twice the warps did not double the throughput (results/NOTES.md,
+//   v4l, lesson 23).
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
