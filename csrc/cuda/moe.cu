@@ -48,9 +48,10 @@ struct GateUpArgs {
 };
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
-// h[t] = h + t * h_stride (h_stride 0: the block's token row, e.g. in shared memory). Called after pdl_begin. The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start
-// while the router runs, and 24.5 MB of prefetches then slowed the router more than they sped this kernel
-// (results/NOTES.md v4h). h is read with plain loads (the fused router kernel writes it in the same grid).
+// h[t] = h + t * h_stride (h_stride 0: the block's own token row, e.g. in shared memory). Called after pdl_begin.
+// The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start while the router runs,
+// and 24.5 MB of prefetches then slowed the router more than they sped this kernel (results/NOTES.md v4h). h is
+// read with plain loads (the fused router kernel writes it in the same grid, or it sits in shared memory).
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 template <Fmt F, bool V>
@@ -255,7 +256,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
 }
 
-
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
 constexpr int kGateNone = -1;
 
@@ -350,7 +350,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 
 // The dot products dot(W_down[e][ra], act[t, s]) and dot(W_down[e][ra + 1], act[t, s]) of slot s (expert e):
 // two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
-// slot's factor w_eff (NaN for an expert id out of range). rb is ra + 1, or ra itself at the last row of an odd
+// slot's factor w_eff (NaN for an expert id out of range), looked up as down_dots does (kept apart from it: this
+// code is what the H200 measured, and sharing a helper changes the compiler's register allocation). rb is ra + 1, or ra itself at the last row of an odd
 // hidden size (computed twice, stored once).
 template <Fmt F, bool V>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
