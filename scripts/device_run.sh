@@ -9,7 +9,9 @@
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
 # (this tree rebuilt per entry), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g.
-# `--layout tiled` for a baseline that has it), TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each).
+# `--layout tiled` for a baseline that has it), TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each);
+# ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
+# sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
@@ -117,9 +119,10 @@ if want tuning; then  # the tuning builds' tiled kernels timed
 fi
 # the model is needed from here on (the kernel benchmarks and tuning builds above ran while it was written)
 [ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
-if want ncu; then
-  stamp "ncu (PDL off)"
-  TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:${NCU_KERNELS:-_kernel} \
+if want ncu; then  # NCU_TREE=<tuning name>: profile that tuning build instead of this tree
+  stamp "ncu (PDL off${NCU_TREE:+, tuning build $NCU_TREE})"
+  ncu_tree=$ROOT; [ -n "${NCU_TREE:-}" ] && ncu_tree=/tmp/tune-$NCU_TREE
+  PYTHONPATH=/tmp/site:$ncu_tree TORNADO_MOE_PDL=0 timeout -k 10 "$(left 120)" ncu --clock-control none -k regex:${NCU_KERNELS:-_kernel} \
     --launch-skip ${NCU_SKIP:-0} -c ${NCU_COUNT:-15} --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats ${NCU_SECTIONS:-} \
     $PY scripts/kernel_bench.py --reps 1 --trials 1 --layout ${NCU_LAYOUT:-tiled} \
