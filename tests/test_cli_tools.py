@@ -311,6 +311,16 @@ def test_chain_times_split_the_span_by_latest_end() -> None:
     assert chain_times([]) == []
 
 
+def test_step_gaps_measure_idle_time_between_whole_steps() -> None:
+    from tornado_moe.tools.profile import step_gaps
+
+    # steps of 2 kernels: step 1 starts 5 after step 0's latest end (its first kernel ended last), step 2
+    # starts while step 1 drains (0), a partial step at the end is ignored
+    spans = [(0.0, 10.0), (2.0, 8.0), (15.0, 20.0), (21.0, 30.0), (29.0, 35.0), (36.0, 40.0), (50.0, 60.0)]
+    assert step_gaps(spans, 2) == [5.0, 0.0]
+    assert step_gaps(spans[:2], 2) == [] and step_gaps([], 3) == []
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -334,6 +344,9 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         assert all(c is not None and c >= 0 for c in chains)
         assert sum(chains) == pytest.approx(v["chain_us_per_token"])
         assert v["chain_us_per_token"] >= max(chains) > 0
+        gap = v["step_gap_us"]  # -n 4: 3 decode steps, 2 boundaries
+        assert gap["decode_steps"] == 3 and 0 <= gap["median_us"] <= gap["max_us"]
+        assert gap["copy_us_per_step"] > 0  # the token read back after each step
 
 
 @pytest.mark.gpu

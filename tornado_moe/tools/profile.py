@@ -16,6 +16,8 @@ decode steps run through one Engine with the plan's profiler on:
   add up to the step's kernel span (idle time before a kernel counts as its own) and say where the step's
   time goes. Read them for CUDA-graph variants: in eager mode the traced steps wait on the host, whose
   launches torch.profiler slows, so they mostly measure that;
+- on a GPU, what the device does between decode steps (those per-step traces run each step alone): one
+  generate() under torch.profiler, the device's idle time at each step boundary and its copies per step;
 - bytes per task from the task arguments (:mod:`tornado_moe.tools.traffic`) and the achieved GB/s against
   the machine's copy bandwidth measured in the same run (:func:`copy_bandwidth_gb_s`).
 
@@ -26,6 +28,7 @@ time being its fastest run's (a launch preempted on a busy host does not skew th
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -179,6 +182,50 @@ def chain_times(spans: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def step_gaps(spans: Sequence[tuple[float, float]], per_step: int) -> list[float]:
+    """GPU idle time at each boundary between consecutive steps: ``spans`` (start, end) are the kernels of
+    whole steps in start order, ``per_step`` kernels each; per boundary, the next step's first start minus the
+    latest end so far (0 where a step starts before the previous one has drained)."""
+    out: list[float] = []
+    latest = -math.inf
+    for k in range(0, len(spans) - per_step + 1, per_step):
+        step = spans[k:k + per_step]
+        if k > 0:
+            out.append(max(0.0, step[0][0] - latest))
+        latest = max(latest, max(end for _, end in step))
+    return out
+
+
+def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
+                       per_step: int) -> dict[str, Any] | None:
+    """One generate() under torch.profiler: what the device does between its decode steps (the per-step
+    traces below run each step alone, so they cannot see it). None if fewer kernels ran than the steps
+    launch (``per_step`` each)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.reset()
+    torch.cuda.synchronize(engine.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _, stats = engine.generate(prompt_ids, n_tokens)
+            torch.cuda.synchronize(engine.device)
+    events = list(prof.events())
+    kernels = sorted((e for e in events if _is_kernel(e)), key=lambda e: e.time_range.start)
+    decode_steps = stats.generated_tokens - 1
+    # the decode steps' kernels come last (the prompt steps before them also load their tokens)
+    if decode_steps < 2 or len(kernels) < (len(prompt_ids) + decode_steps) * per_step:
+        return None
+    decode = kernels[len(kernels) - decode_steps * per_step:]
+    gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in decode], per_step)
+    first = decode[0].time_range.start
+    copies = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy")
+              and e.time_range.start >= first]
+    return {"decode_steps": decode_steps, "median_us": statistics.median(gaps), "max_us": max(gaps),
+            "copy_us_per_step": sum(e.time_range.elapsed_us() for e in copies) / decode_steps}
+
+
 def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
     """Runs ``steps`` decode steps, each under its own torch.profiler session."""
     from torch.autograd import DeviceType
@@ -287,7 +334,9 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     attribution = None
     chain_us: list[float] | None = None
     traced_per_step: list[int] = []
+    gap: dict[str, Any] | None = None
     if on_gpu and cuda_steps > 0:
+        gap = _trace_decode_loop(engine, prompt_ids, n_tokens, plan.launches_per_execution)
         engine.reset()
         engine.generate(prompt_ids, 1)  # prefill; the traced steps are pure decode steps
         traces = _trace_cuda_steps(engine, cuda_steps)
@@ -389,6 +438,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
         "timed_launch_us_per_token": timed_total,
         "kernel_time_us_per_token": kernel_total,
         "chain_us_per_token": sum(chain_us) if chain_us is not None else None,
+        "step_gap_us": gap,
         "weight_bytes_per_token": sum(r["weight_bytes"] for r in task_rows),
         "bytes_per_token": total_bytes,
         "achieved_gb_s": total_bytes / (best_total * 1e-6) / 1e9 if best_total else None,
@@ -441,6 +491,12 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{v['step_wall_us']:.1f} us; kernels {_fmt(v['kernel_time_us_per_token'], '.1f')} us "
                      f"(chain {_fmt(v['chain_us_per_token'], '.1f')} us); "
                      f"achieved {_fmt(v['achieved_gb_s'], '.1f')} GB/s ({_fmt(pct, '.1f')}% of copy)")
+        if v.get("step_gap_us"):
+            g = v["step_gap_us"]
+            lines.append(f"   between decode steps (generate, profiler on): the GPU idles "
+                         f"{g['median_us']:.1f} us (median of {g['decode_steps'] - 1} boundaries, max "
+                         f"{g['max_us']:.1f}); copies "
+                         f"{g['copy_us_per_step']:.1f} us per step")
         lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'chain us':>9} "
                      f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7}")
         for k in v["by_kind"]:
