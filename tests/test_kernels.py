@@ -433,6 +433,21 @@ def test_argmax_ties_and_nan(device: str) -> None:
     assert out.cpu().tolist() == [int(torch.argmax(logits[0])), 3, 20, 0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_long_rows_ties_across_the_scan(device: str) -> None:
+    """Rows long enough that CUDA splits them over the blocks of a cluster (ids r * 1024 + i, + 8192, ... for
+    block r): a tie between ids scanned by different blocks still goes to the lower id, a maximum in the last,
+    partial stretch is found, and an all-NaN row gives 0."""
+    vocab = 151_936
+    logits = torch.randn(3, vocab)
+    logits[0, 9000] = logits[0, 1500] = 7.0  # ids of block 0 and block 1: 1500 wins
+    logits[1, vocab - 1] = 8.0
+    logits[2] = NAN
+    out = torch.full((3,), -1, dtype=torch.int32, device=device)
+    K.argmax(logits.to(device), out, 3, vocab)
+    assert out.cpu().tolist() == [1500, vocab - 1, 0]
+
+
 def run_sample(
     logits: torch.Tensor,
     device: str,
