@@ -435,9 +435,9 @@ def test_argmax_ties_and_nan(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_argmax_long_rows_ties_across_the_scan(device: str) -> None:
-    """Rows long enough that CUDA splits them over the blocks of a cluster (ids r * 1024 + i, + 8192, ... for
-    block r): a tie between ids scanned by different blocks still goes to the lower id, a maximum in the last,
-    partial stretch is found, and an all-NaN row gives 0."""
+    """Vocabulary-sized rows, long enough for a kernel to split them over several blocks: a tie between ids
+    far apart (scanned by different blocks when split by 1024-id stretches) still goes to the lower id, a
+    maximum at the last id is found, and an all-NaN row gives 0."""
     vocab = 151_936
     logits = torch.randn(3, vocab)
     logits[0, 9000] = logits[0, 1500] = 7.0  # ids of block 0 and block 1: 1500 wins
