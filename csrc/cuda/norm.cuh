@@ -7,7 +7,8 @@
  * x[i], x[i + 256], ... as ss = fma(v, v, ss) in increasing index; each warp sums its 32 threads with warp_sum;
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
- * block_rms_inv evaluates it with a block of 256 threads.
+ * block_rms_inv evaluates it with a block of 256 threads; block_rmsnorm writes y with it (tm_rmsnorm, the fused
+ * attention input, the router and both kinds of fused gate-up block all normalise through it).
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
 #define TORNADO_MOE_CUDA_NORM_CUH
