@@ -6,8 +6,8 @@ replayed; a launch's time is the replay time / reps (median of `--trials` replay
 copies (or, for routed experts, over different experts) that no launch finds its weights in the 60 MB L2, as
 in decode. Works with any tree of the package on PYTHONPATH (the baseline commit too): kernels a tree lacks
 are skipped. --layout tiled times the Q8_0 weight kernels on rows re-laid out as TM_Q8_0_TILED (what the
-engine uploads on CUDA). Prints a table; --json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl,
-layout, kernels}.
+engine uploads on CUDA). The last entry is a whole fused layer, its five launches chained. Prints a table;
+--json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl, layout, kernels}.
 """
 
 from __future__ import annotations
@@ -191,6 +191,23 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
 
     logits = torch.empty(1, VOCAB, **f32)
     matmul("output (151936 x 2048)", VOCAB, H, h, logits, False)
+
+    # A whole fused layer, its 5 launches back to back on the same buffers as in decode: what a kernel costs
+    # inside the chain can differ from its time alone (results/NOTES.md, lesson 24); this is the time per
+    # layer to hold against tornado-moe profile's chain per layer.
+    by_name = {name: (nbytes, build) for name, nbytes, build in out}
+    parts = ["attn_qkv (qkv_rope)", "attention (ctx 144)", "attn_output (+residual)",
+             "router_experts_gate_up (router + shared + 4 of 60)",
+             "experts_down_accumulate (shared + 4 of 60)"]
+    if all(p in by_name for p in parts):
+        def layer() -> Callable[[int], None]:
+            launches = [by_name[p][1]() for p in parts]
+
+            def launch(i: int) -> None:
+                for f in launches:
+                    f(i)
+            return launch
+        out.append(("layer (the 5 fused launches, chained)", sum(by_name[p][0] for p in parts), layer))
     return out
 
 
