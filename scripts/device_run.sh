@@ -46,7 +46,7 @@ TUNE_PIDS=()
 if want tuning; then
   for t in "${TUNES[@]}"; do
     name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
-    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude=./.baseline --exclude=./.whl . | tar -x -C "$dir"
+    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude='./.baseline*' --exclude=./.whl . | tar -x -C "$dir"
     (renice -n 10 "$BASHPID" > /dev/null; configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags") &
     TUNE_PIDS+=($!)
   done
@@ -144,19 +144,17 @@ if want layout; then
     --json "$OUT/bench_gguf_layout.json" > "$OUT/bench_gguf_layout.log" 2>&1
   tail -3 "$OUT/bench_gguf_layout.log"
 fi
-if want baseline && [ -d .baseline ]; then
-  stamp "baseline bench (${BASELINE_COMMIT:-baseline})"
-  (cd .baseline && TORNADO_MOE_GIT_COMMIT=${BASELINE_COMMIT:-baseline} PYTHONPATH=/tmp/site:$ROOT/.baseline \
-    timeout -k 10 "$(left 70)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BASELINE_VARIANTS:-fused,per-slot,eager,graphs} \
-    --json "$OUT/bench_baseline.json" > "$OUT/bench_baseline.log" 2>&1)
-  tail -7 "$OUT/bench_baseline.log"
-fi
-if want baseline && [ -d .baseline2 ]; then  # a second baseline tree (e.g. the first version), bench only
-  stamp "second baseline bench (${BASELINE2_COMMIT:-baseline2})"
-  (cd .baseline2 && TORNADO_MOE_GIT_COMMIT=${BASELINE2_COMMIT:-baseline2} PYTHONPATH=/tmp/site:$ROOT/.baseline2 \
-    timeout -k 10 "$(left 70)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BASELINE2_VARIANTS:-fused,per-slot,eager,graphs} \
-    --json "$OUT/bench_baseline2.json" > "$OUT/bench_baseline2.log" 2>&1)
-  tail -7 "$OUT/bench_baseline2.log"
+baseline_bench() {  # tree name (baseline, baseline2), its commit, its bench variants
+  stamp "$1 bench ($2)"
+  (cd ".$1" && TORNADO_MOE_GIT_COMMIT=$2 PYTHONPATH=/tmp/site:$ROOT/.$1 timeout -k 10 "$(left 70)" \
+    $CLI bench "${BENCH_ARGS[@]}" --compare "$3" --json "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1)
+  tail -7 "$OUT/bench_$1.log"
+}
+if want baseline; then  # .baseline2: a second baseline tree (e.g. the first version), bench only
+  [ -d .baseline ] && baseline_bench baseline "${BASELINE_COMMIT:-baseline}" \
+    "${BASELINE_VARIANTS:-fused,per-slot,eager,graphs}"
+  [ -d .baseline2 ] && baseline_bench baseline2 "${BASELINE2_COMMIT:-baseline2}" \
+    "${BASELINE2_VARIANTS:-fused,per-slot,eager,graphs}"
 fi
 if want determinism; then
   stamp "determinism (torch: ${DET_COMPARE:=fused,per-slot,eager,graphs,torch})"

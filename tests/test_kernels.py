@@ -440,7 +440,7 @@ def test_argmax_long_rows_ties_across_the_scan(device: str) -> None:
     maximum at the last id is found, and an all-NaN row gives 0."""
     vocab = 151_936
     logits = torch.randn(3, vocab)
-    logits[0, 9000] = logits[0, 1500] = 7.0  # ids of block 0 and block 1: 1500 wins
+    logits[0, 9000] = logits[0, 1500] = 7.0  # 1024-id stretches 8 and 1: the lower id, 1500, wins
     logits[1, vocab - 1] = 8.0
     logits[2] = NAN
     out = torch.full((3,), -1, dtype=torch.int32, device=device)

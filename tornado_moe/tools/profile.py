@@ -33,7 +33,7 @@ import re
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,23 +196,30 @@ def step_gaps(spans: Sequence[tuple[float, float]], per_step: int) -> list[float
     return out
 
 
+def _traced(engine: Any, run: Callable[[], Any]) -> tuple[Any, list[Any], list[Any]]:
+    """run() under one torch.profiler session (CPU and CUDA activity), synchronised before and after: its
+    result, every event, and the CUDA kernels in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(engine.device)
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = run()
+            torch.cuda.synchronize(engine.device)
+    events = list(prof.events())
+    return result, events, sorted((e for e in events if _is_kernel(e)), key=lambda e: e.time_range.start)
+
+
 def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
                        per_step: int) -> dict[str, Any] | None:
     """One generate() under torch.profiler: what the device does between its decode steps (the per-step
     traces below run each step alone, so they cannot see it). None if fewer kernels ran than the steps
     launch (``per_step`` each)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     engine.reset()
-    torch.cuda.synchronize(engine.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _, stats = engine.generate(prompt_ids, n_tokens)
-            torch.cuda.synchronize(engine.device)
-    events = list(prof.events())
-    kernels = sorted((e for e in events if _is_kernel(e)), key=lambda e: e.time_range.start)
+    (_, stats), events, kernels = _traced(engine, lambda: engine.generate(prompt_ids, n_tokens))
     decode_steps = stats.generated_tokens - 1
     # the decode steps' kernels come last (the prompt steps before them also load their tokens)
     if decode_steps < 2 or len(kernels) < (len(prompt_ids) + decode_steps) * per_step:
@@ -229,18 +236,10 @@ def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
 def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
     """Runs ``steps`` decode steps, each under its own torch.profiler session."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     traces = []
     for _ in range(steps):
-        torch.cuda.synchronize(engine.device)
-        with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": intended here
-            warnings.simplefilter("ignore", UserWarning)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                engine.decode_next()
-                torch.cuda.synchronize(engine.device)
-        events = list(prof.events())
-        kernels = sorted((e for e in events if _is_kernel(e)), key=lambda e: e.time_range.start)
+        _, events, kernels = _traced(engine, engine.decode_next)
         ops = sorted((e for e in events
                       if e.device_type == DeviceType.CPU and e.name.startswith("tornado_moe::")),
                      key=lambda e: e.time_range.start)
