@@ -8,8 +8,10 @@
 # after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree
 # travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
-# (this tree rebuilt per entry), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g.
-# `--layout tiled` for a baseline that has it), TUNING_BENCH=1 (also bench each), TUNING_PROFILE=1 (and profile each);
+# (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
+# tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
+# those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
+# build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -45,8 +47,9 @@ IFS=';' read -ra TUNES <<< "${TUNING:-}"
 TUNE_PIDS=()
 if want tuning; then
   for t in "${TUNES[@]}"; do
-    name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name
-    rm -rf "$dir"; mkdir -p "$dir"; tar -c --exclude=./build --exclude='./.baseline*' --exclude=./.whl . | tar -x -C "$dir"
+    name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name; src=.; [ -d ".tune-$name" ] && src=.tune-$name
+    rm -rf "$dir"; mkdir -p "$dir"
+    tar -c -C "$src" --exclude=./build --exclude='./.baseline*' --exclude='./.tune-*' --exclude=./.whl . | tar -x -C "$dir"
     (renice -n 10 "$BASHPID" > /dev/null; configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags") &
     TUNE_PIDS+=($!)
   done
@@ -99,6 +102,15 @@ if want tuning; then  # the tuning builds' tiled kernels timed
     PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
       --layout tiled ${TUNING_KB_ARGS:-${KB_ARGS:-}} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
+  if [ -n "${TUNING_TESTS:-}" ]; then  # and each build's GPU tests (its own test files)
+    for t in "${TUNES[@]}"; do
+      name=${t%%:*}
+      cp .jni/tornado-moe.jar /tmp/tune-$name/tornado_moe/_native/
+      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name:/tmp/tune-$name/tests timeout -k 10 "$(left 90)" \
+        $PY -m pytest -q -ra -p no:cacheprovider -m gpu --timeout 60 > "$OUT/pytest_tune_$name.log" 2>&1)
+      echo "$name tests: $(tail -1 "$OUT/pytest_tune_$name.log")"
+    done
+  fi
   if [ -n "${TUNING_BENCH:-}" ]; then  # and each build end to end (fused + graphs, torch), after the synthesis
     [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
     for t in "${TUNES[@]}"; do

@@ -347,6 +347,8 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         gap = v["step_gap_us"]  # -n 4: 3 decode steps, 2 boundaries
         assert gap["decode_steps"] == 3 and 0 <= gap["median_us"] <= gap["max_us"]
         assert gap["copy_us_per_step"] > 0  # the token read back after each step
+        # the period between step starts holds a step's span and the gap after it
+        assert 0 < gap["span_median_us"] <= gap["period_median_us"]
 
 
 @pytest.mark.gpu

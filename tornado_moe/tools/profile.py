@@ -28,6 +28,7 @@ time being its fastest run's (a launch preempted on a busy host does not skew th
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -225,12 +226,18 @@ def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
     if decode_steps < 2 or len(kernels) < (len(prompt_ids) + decode_steps) * per_step:
         return None
     decode = kernels[len(kernels) - decode_steps * per_step:]
-    gaps = step_gaps([(e.time_range.start, e.time_range.end) for e in decode], per_step)
+    spans = [(e.time_range.start, e.time_range.end) for e in decode]
+    gaps = step_gaps(spans, per_step)
     first = decode[0].time_range.start
     copies = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy")
               and e.time_range.start >= first]
+    steps = [spans[k:k + per_step] for k in range(0, len(spans), per_step)]
+    # a step's kernel span inside the loop, and the period from one step's first start to the next one's
+    span = [max(e for _, e in st) - st[0][0] for st in steps]
+    period = [b[0][0] - a[0][0] for a, b in itertools.pairwise(steps)]
     return {"decode_steps": decode_steps, "median_us": statistics.median(gaps), "max_us": max(gaps),
-            "copy_us_per_step": sum(e.time_range.elapsed_us() for e in copies) / decode_steps}
+            "copy_us_per_step": sum(e.time_range.elapsed_us() for e in copies) / decode_steps,
+            "span_median_us": statistics.median(span), "period_median_us": statistics.median(period)}
 
 
 def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
@@ -495,7 +502,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"   between decode steps (generate, profiler on): the GPU idles "
                          f"{g['median_us']:.1f} us (median of {g['decode_steps'] - 1} boundaries, max "
                          f"{g['max_us']:.1f}); copies "
-                         f"{g['copy_us_per_step']:.1f} us per step")
+                         f"{g['copy_us_per_step']:.1f} us per step; a step's kernels span "
+                         f"{g['span_median_us']:.1f} us, one starts every {g['period_median_us']:.1f} us")
         lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'chain us':>9} "
                      f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7}")
         for k in v["by_kind"]:
