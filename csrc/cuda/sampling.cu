@@ -1,9 +1,10 @@
 /*
  * sampling.cu - tm_argmax and tm_sample on CUDA.
  *
- * argmax: one block of 1024 threads per token (grid-stride over tokens); thread i scans ids i, i + 1024, ...;
- *   the block reduction keeps the best (value, id) under "larger value, then lower id" with NaN never winning
- *   (an all-NaN row gives 0, as the CPU kernel). The order of a maximum does not matter: the result is exact.
+ * argmax: one cluster of 8 blocks of 1024 threads per token; block r, thread i scans ids r * 1024 + i, + 8192,
+ *   ...; the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
+ *   (value, id) under "larger value, then lower id" with NaN never winning (an all-NaN row gives 0, as the CPU
+ *   kernel). The order of a maximum does not matter: the result is exact.
  * sample: one thread-block cluster of 8 blocks x 512 threads; block b owns the contiguous ids
  *   [b * ceil(V/8), (b+1) * ceil(V/8)), thread i of a block the ids base + i, base + i + 512, ...
  *   It follows the rule written out in csrc/common/sampling_rng.h (same u from tm_sample_uniform(seed, step[0])):
@@ -39,53 +40,57 @@ namespace {
 // ---- argmax -----------------------------------------------------------------------------------------------
 
 constexpr int kArgThreads = 1024;
+constexpr int kArgCluster = 8;
 
 __device__ __forceinline__ bool arg_better(float va, int ia, float vb, int ib) {
   return va > vb || (va == vb && ia < ib);  // NaN compares false: never better
 }
+__device__ __forceinline__ void arg_merge(float v, int i, float& bv, int& bi) {
+  if (arg_better(v, i, bv, bi)) {
+    bv = v;
+    bi = i;
+  }
+}
 
-__global__ void __launch_bounds__(kArgThreads)
-    argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int64_t n_tokens, int64_t vocab) {
+// One cluster of kArgCluster blocks per token (grid x = kArgCluster * tokens of this launch): block r scans ids
+// r * 1024 + i, + 8192, ...; its best (value, id) goes to its shared memory, and block 0 merges the blocks'
+// through distributed shared memory. A maximum under "larger value, then lower id" does not depend on the order
+// it is taken in: the result is exact, whatever the split.
+__global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThreads)
+    argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int64_t vocab, int64_t tok0) {
   __shared__ float s_val[kArgThreads / 32];
   __shared__ int s_id[kArgThreads / 32];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t t = tok0 + blockIdx.x / kArgCluster;
   pdl_begin();
-  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
-    const float* row = logits + t * vocab;
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int64_t i = threadIdx.x; i < vocab; i += kArgThreads) {
-      const float v = row[i];
-      if (arg_better(v, static_cast<int>(i), bv, bi)) {
-        bv = v;
-        bi = static_cast<int>(i);
-      }
-    }
+  const float* row = logits + t * vocab;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  for (int64_t i = static_cast<int64_t>(rank) * kArgThreads + threadIdx.x; i < vocab;
+       i += static_cast<int64_t>(kArgCluster) * kArgThreads)
+    arg_merge(row[i], static_cast<int>(i), bv, bi);
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, bv, m);
-      const int oi = __shfl_xor_sync(kFullMask, bi, m);
-      if (arg_better(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) {
-      s_val[warp] = bv;
-      s_id[warp] = bi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < kArgThreads / 32; ++w) {
-        if (arg_better(s_val[w], s_id[w], bv, bi)) {
-          bv = s_val[w];
-          bi = s_id[w];
-        }
-      }
-      out[t] = bi == INT_MAX ? 0 : bi;
-    }
-    __syncthreads();
+  for (int m = 16; m >= 1; m >>= 1)
+    arg_merge(__shfl_xor_sync(kFullMask, bv, m), __shfl_xor_sync(kFullMask, bi, m), bv, bi);
+  if (lane == 0) {
+    s_val[warp] = bv;
+    s_id[warp] = bi;
   }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgThreads / 32; ++w) arg_merge(s_val[w], s_id[w], bv, bi);
+    s_val[0] = bv;
+    s_id[0] = bi;
+  }
+  cluster.sync();
+  if (rank == 0 && threadIdx.x == 0) {
+    for (int c = 1; c < kArgCluster; ++c)
+      arg_merge(cluster.map_shared_rank(s_val, c)[0], cluster.map_shared_rank(s_id, c)[0], bv, bi);
+    out[t] = bi == INT_MAX ? 0 : bi;
+  }
+  cluster.sync();  // a block's shared memory must outlive block 0's reads of it
 }
 
 // ---- sample -----------------------------------------------------------------------------------------------
@@ -432,11 +437,13 @@ extern "C" int tm_cuda_argmax(const float* logits, int32_t* out, int64_t n_token
   TM_TRY(check_f32_alignment(fn, "logits", logits));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  int64_t blocks = n_tokens;
-  const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 4;
-  if (blocks > max_blocks) blocks = max_blocks;
-  return launch(lim, fn, argmax_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kArgThreads), 0, as_stream(stream),
-                logits, out, n_tokens, vocab);
+  const int64_t per_launch = lim.max_grid_x / kArgCluster;  // tokens (clusters) per launch
+  for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
+    const int64_t n = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
+    TM_TRY(launch(lim, fn, argmax_kernel, dim3(static_cast<unsigned>(n * kArgCluster)), dim3(kArgThreads), 0,
+                  as_stream(stream), logits, out, vocab, t0));
+  }
+  return TM_OK;
 }
 
 extern "C" int tm_cuda_sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,
