@@ -17,7 +17,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # Everything is written under $OUT/r and packed into $OUT/results.tgz on exit (the tool returns few files).
-OUT_TOP=${OUT:-/tmp/out}; OUT=$OUT_TOP/r; mkdir -p "$OUT"
+OUT_TOP=${OUT:-/tmp/out}; OUT=$OUT_TOP/r; rm -rf "$OUT"; mkdir -p "$OUT"  # a reused machine may hold old results
 trap 'tar czf "$OUT_TOP/results.tgz" -C "$OUT_TOP" r && rm -rf "$OUT"' EXIT
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 PY=python3

@@ -96,7 +96,7 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
       for (int64_t b = 0; b < n / 32; ++b) {
         const float d = fp16_to_f32(load_u16(row + tm_q8t_scale_offset(n, b)));
         for (int64_t i = 0; i < 32; ++i) {
-          const int8_t q = static_cast<int8_t>(row[tm_q8t_code_offset(n, 32 * b + i)]);
+          const int q = tm_q8t_code(row[tm_q8t_code_offset(n, 32 * b + i)]);
           out[32 * b + i] = static_cast<float>(q) * d;
         }
       }

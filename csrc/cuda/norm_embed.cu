@@ -46,7 +46,7 @@ __device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int
     }
     case TM_Q8_0_TILED: {
       const float d = fp16_bits_to_f32(ldg_u16(row + tm_q8t_scale_offset(cols, c / 32)));
-      const int q = static_cast<int8_t>(__ldg(row + tm_q8t_code_offset(cols, c)));
+      const int q = tm_q8t_code(__ldg(row + tm_q8t_code_offset(cols, c)));
       return __fmul_rn(static_cast<float>(q), d);
     }
     case TM_Q4_0: {

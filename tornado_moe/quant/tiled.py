@@ -62,22 +62,34 @@ def tiled_source_bytes(cols: int) -> np.ndarray:
     return src
 
 
-def _permute_rows(data: torch.Tensor, cols: int, index: np.ndarray) -> torch.Tensor:
+def _rows(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """``data`` as a [rows, row bytes] view, after checking that it holds whole uint8 Q8_0 rows."""
     row_bytes = 34 * cols // 32
     if data.dtype != torch.uint8 or data.numel() % row_bytes != 0:
         raise ValueError(f"expected uint8 Q8_0 rows of {row_bytes} bytes, got {data.dtype} x {data.numel()}")
-    rows = data.reshape(-1, row_bytes)
-    return rows.index_select(1, torch.from_numpy(index).to(data.device)).reshape(data.shape)
+    return data.reshape(-1, row_bytes)
+
+
+def _permute_rows(data: torch.Tensor, cols: int, index: np.ndarray) -> torch.Tensor:
+    return _rows(data, cols).index_select(1, torch.from_numpy(index).to(data.device)).reshape(data.shape)
+
+
+def _flip_codes_(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """Flips, in place, the code bytes (the first ``cols`` of each tiled row) of ``data``, a contiguous tensor
+    the caller owns, by XOR 0x80: int8 q <-> uint8 q + 128. Returns ``data``."""
+    _rows(data, cols)[:, :cols] ^= 0x80
+    return data
 
 
 def tile_q8_0(data: torch.Tensor, cols: int) -> torch.Tensor:
     """The Q8_0 rows ``data`` (uint8, any shape holding whole rows of ``cols`` values) in the tiled layout.
 
-    A new tensor on ``data``'s device, of the same shape and size.
+    A new tensor on ``data``'s device, of the same shape and size. Codes are stored as q + 128, which saves
+    the GPU's dot product one instruction per 4 values (its int8 -> float conversion works on biased bytes).
     """
-    return _permute_rows(data, cols, tiled_source_bytes(cols))
+    return _flip_codes_(_permute_rows(data, cols, tiled_source_bytes(cols)), cols)
 
 
 def untile_q8_0(data: torch.Tensor, cols: int) -> torch.Tensor:
     """The inverse of :func:`tile_q8_0` (tiled rows back to GGUF Q8_0 bytes)."""
-    return _permute_rows(data, cols, np.argsort(tiled_source_bytes(cols)))
+    return _permute_rows(_flip_codes_(data.clone(), cols), cols, np.argsort(tiled_source_bytes(cols)))
