@@ -11,7 +11,8 @@
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
-# build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each);
+# build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
+# profile stage's arguments, default `-n 8`);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -185,7 +186,7 @@ if want determinism; then
 fi
 if want profile; then
   stamp profile
-  timeout -k 10 "$(left 60)" $CLI profile --model "$MODEL" --device cuda -n 8 --json "$OUT/profile.json" \
+  timeout -k 10 "$(left 60)" $CLI profile --model "$MODEL" --device cuda ${PROFILE_ARGS:--n 8} --json "$OUT/profile.json" \
     > "$OUT/profile.log" 2>&1
   tail -32 "$OUT/profile.log"
 fi
