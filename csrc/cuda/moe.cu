@@ -36,9 +36,6 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
-#ifndef TM_ROUTED_FLAG_PEEK
-#define TM_ROUTED_FLAG_PEEK 1
-#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -221,7 +218,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
-  __shared__ uint32_t s_ticket, s_raised, s_seen;
+  __shared__ uint32_t s_ticket, s_raised;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(ra.n_experts));
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
@@ -240,13 +237,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const RouterSync sy = router_sync(sync, n_tokens);
-  const uint32_t slots = static_cast<uint32_t>(rt.slot_count);
-  // The token a block placed among the routed blocks most likely serves (tickets mostly follow blockIdx; in
-  // decode there is one token): its ids flag is read beside the ticket atomic, by another warp, so a block whose
-  // flag is long raised pays one round trip before its first weight load instead of two. A wrong guess only
-  // means the wait below.
-  const bool peek = TM_ROUTED_FLAG_PEEK && blockIdx.x >= router_blocks + sh_blocks;
-  const uint32_t guess = peek ? experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots : 0;
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
@@ -254,8 +244,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
     s_ticket = b;
     s_raised = epoch + 1;
-  } else if (threadIdx.x == 32) {
-    s_seen = peek ? flag_acquire(sy.ids_ready + guess) : 0;  // ordered before the barrier, as block_wait_flag's
   }
   __syncthreads();
   const uint32_t b = s_ticket, raised = s_raised;
@@ -264,8 +252,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
-  const uint32_t token = p.pair / slots;
-  if (!(peek && token == guess && s_seen == raised)) block_wait_flag(sy.ids_ready + token, raised);
+  block_wait_flag(sy.ids_ready + p.pair / static_cast<uint32_t>(rt.slot_count), raised);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
 }
 
