@@ -349,7 +349,6 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         assert gap["copy_us_per_step"] > 0  # the token read back after each step
         # the period between step starts holds a step's span and the gap after it
         assert 0 < gap["span_median_us"] <= gap["period_median_us"]
-        assert gap["untraced_period_us"] > 0
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ JSON: {command, date, git_commit, device, gpu_name, model, torch_version, copy_b
        launches_per_token_declared, launches_per_token_measured, launch_counter, launch_counts_agree,
        launch_mismatches, routed_launches_per_layer_declared, graphs: [{graph, launches_declared,
        launches_measured, routed_launches_declared}], step_wall_us, step_gap_us (GPU: {decode_steps,
-       median_us, max_us, copy_us_per_step, span_median_us, period_median_us, untraced_period_us}),
+       median_us, max_us, copy_us_per_step, span_median_us, period_median_us}),
        kernel_time_us_per_token,
        chain_us_per_token,
        bytes_per_token, weight_bytes_per_token, achieved_gb_s, fraction_of_copy_bandwidth,

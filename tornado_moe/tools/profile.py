@@ -219,11 +219,6 @@ def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
     launch (``per_step`` each)."""
     from torch.autograd import DeviceType
 
-    untraced = []  # the same loop without the tracer: its period per step, to set against the traced span
-    for _ in range(3):
-        engine.reset()
-        _, st = engine.generate(prompt_ids, n_tokens)
-        untraced.append(st.decode_s / max(1, st.generated_tokens - 1) * 1e6)
     engine.reset()
     (_, stats), events, kernels = _traced(engine, lambda: engine.generate(prompt_ids, n_tokens))
     decode_steps = stats.generated_tokens - 1
@@ -242,8 +237,7 @@ def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
     period = [b[0][0] - a[0][0] for a, b in itertools.pairwise(steps)]
     return {"decode_steps": decode_steps, "median_us": statistics.median(gaps), "max_us": max(gaps),
             "copy_us_per_step": sum(e.time_range.elapsed_us() for e in copies) / decode_steps,
-            "span_median_us": statistics.median(span), "period_median_us": statistics.median(period),
-            "untraced_period_us": statistics.median(untraced)}
+            "span_median_us": statistics.median(span), "period_median_us": statistics.median(period)}
 
 
 def _trace_cuda_steps(engine: Any, steps: int) -> list[_StepTrace]:
@@ -509,8 +503,7 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{g['median_us']:.1f} us (median of {g['decode_steps'] - 1} boundaries, max "
                          f"{g['max_us']:.1f}); copies "
                          f"{g['copy_us_per_step']:.1f} us per step; a step's kernels span "
-                         f"{g['span_median_us']:.1f} us, one starts every {g['period_median_us']:.1f} us "
-                         f"({g['untraced_period_us']:.1f} us without the profiler)")
+                         f"{g['span_median_us']:.1f} us, one starts every {g['period_median_us']:.1f} us")
         lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'chain us':>9} "
                      f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7}")
         for k in v["by_kind"]:
