@@ -52,23 +52,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   const float* xs[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;
-  // Lane i * NT + t stores output (r0 + i, t0 + t): its bias and the value it accumulates onto are loaded before
-  // the dot products (ld_ahead), so their round trip is not the kernel's last.
-  const int64_t own_r = r0 + lane / NT, own_t = t0 + lane % NT;
-  const bool owner = lane < NR * NT && own_r < rows && own_t < n_tokens;
-  float* o = y + own_t * rows + own_r;
-  const float b = owner && bias != nullptr ? ld_ahead(bias + own_r) : 0.0f;
-  const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
   float out[NR][NT];
   warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      if (lane == i * NT + t && owner) {
+      const int64_t r = r0 + i;
+      if (lane == i * NT + t && r < rows && t0 + t < n_tokens) {
         float v = out[i][t];
-        if (bias != nullptr) v = __fadd_rn(v, b);
-        *o = accumulate ? __fadd_rn(y_in, v) : v;
+        if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + r));
+        float* o = y + (t0 + t) * rows + r;
+        *o = accumulate ? __fadd_rn(__ldcg(o), v) : v;  // in place: read around L1 (common.cuh)
       }
     }
   }

@@ -401,10 +401,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   if (shared_warp && r0 + warp < sh.hidden && t == 0)  // the shared expert's rows are known up front
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   pdl_begin();
-  // The residual lane 0 of a shared warp adds the terms to, loaded before the dot products (ld_ahead): x[t, r]
-  // is this block's alone to rewrite, and its round trip then overlaps theirs.
-  float* xo = x + t * sh.hidden + r0 + warp;
-  const float x_in = shared_warp && lane == 0 && r0 + warp < sh.hidden ? ld_ahead(xo) : 0.0f;
   if (shared_warp) {
     const int64_t r = r0 + warp;
     if (r < sh.hidden) {
@@ -429,8 +425,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     }
   }
   __syncthreads();
-  if (!shared_warp || lane != 0 || r0 + warp >= sh.hidden) return;
-  float acc = __fadd_rn(x_in, s_shared[warp]);
+  const int64_t r = r0 + warp;
+  if (!shared_warp || lane != 0 || r >= sh.hidden) return;
+  float* xo = x + t * sh.hidden + r;
+  float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
   for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
   *xo = acc;
 }

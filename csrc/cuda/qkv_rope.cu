@@ -73,22 +73,17 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const float* xt = a.x + t * a.hidden;
   block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
   if (!active) return;  // no barrier follows
-  // What lane 0 needs after the dot products (the biases, the position), loaded before them (ld_ahead).
-  const float* bias = a.bias[which];
-  const bool biased = lane == 0 && bias != nullptr;
-  const float bias_a = biased ? ld_ahead(bias + ra) : 0.0f, bias_b = biased ? ld_ahead(bias + rb) : 0.0f;
-  const int32_t pos0 = lane == 0 ? ld_ahead(a.pos) : 0;
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
   warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
-  if (bias != nullptr) {
-    va = __fadd_rn(va, bias_a);
-    vb = __fadd_rn(vb, bias_b);
+  if (a.bias[which] != nullptr) {
+    va = __fadd_rn(va, __ldg(a.bias[which] + ra));
+    vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
   }
-  const int64_t p = static_cast<int64_t>(pos0) + t;
+  const int64_t p = static_cast<int64_t>(a.pos[0]) + t;
   if (which < 2) rope_rotate(p, i, a.head_dim, a.freq_base, va, vb);
   float* dst;
   if (which == 0) {
