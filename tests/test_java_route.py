@@ -154,9 +154,12 @@ def test_execution_plan_routes_agree(device: str) -> None:
             pb.execute()
         _sync(device)
         prof = pa.profiler_result()
+        pa.without_profiler().execute()  # not counted; what was counted stays
+        _sync(device)
+        after = pa.profiler_result()
     for name in Pipeline.OUTPUTS:
         assert _same_bits(a.tensors[name], b.tensors[name]), name
-    assert prof.kernel_count == 2 * 6
+    assert prof.kernel_count == 2 * 6 and after.kernel_count == 2 * 6
     assert prof.launches_by_graph() == {"embed": 2, "layer": 10}
 
 

@@ -42,6 +42,9 @@ def test_plan_executes_profiles_and_closes() -> None:
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-6)
     prof = plan.profiler_result()
     assert prof.kernel_count == 2 and prof.rows[0].launches == 2 and prof.rows[0].time_ns > 0
+    counted = [(r.launches, r.time_ns) for r in prof.rows]
+    plan.without_profiler().execute()  # not counted; what was counted stays
+    assert [(r.launches, r.time_ns) for r in plan.profiler_result().rows] == counted
     plan.close()
     with pytest.raises(RuntimeError, match="closed"):
         plan.execute()

@@ -55,6 +55,11 @@ class ExecutionPlan:
         self._program.enable_profiler()
         return self
 
+    def without_profiler(self) -> ExecutionPlan:
+        """Stops the per-task profile (it synchronises every launch); profiler_result() keeps what it has."""
+        self._program.disable_profiler()
+        return self
+
     def execute(self) -> ExecutionPlan:
         if self._closed:
             raise RuntimeError("execution plan is closed")

@@ -20,6 +20,9 @@ class Program(Protocol):
 
     def enable_profiler(self) -> None: ...
 
+    def disable_profiler(self) -> None:
+        """Stops counting and timing launches (which synchronises each one); the rows so far stay readable."""
+
     def profiler_rows(self) -> tuple[list[TaskProfile], int, int]:
         """(per-task rows, graph replays, graph replay ns)."""
 

@@ -139,7 +139,7 @@ class JavaProgram:
     """One Java TaskGraph per Python graph, and one TornadoExecutionPlan over all of them.
 
     Implements the route Program protocol (tornado_moe.routes.Program): launch_all, launch_task,
-    enable_cuda_graph, enable_profiler, profiler_rows, close.
+    enable_cuda_graph, enable_profiler, disable_profiler, profiler_rows, close.
     """
 
     def __init__(self, graphs: Sequence[ImmutableTaskGraph], device: torch.device | str) -> None:
@@ -163,7 +163,7 @@ class JavaProgram:
         self._stream: int | None = None
         self._use_graph = False
         self._graph_stream: torch.cuda.Stream | None = None
-        self._profile = False
+        self._profiled = False  # enable_profiler was called: profiler_rows has a Java profile to read
         self._closed = False
 
     # ---- building ------------------------------------------------------------------------------------------
@@ -278,11 +278,15 @@ class JavaProgram:
         """Counts and times every launch from now on (the Java profiler: see TornadoProfilerResult)."""
         with _java_errors(self._j):
             self._plan.withProfiler(self._j.ProfilerMode.SILENT)
-        self._profile = True
+        self._profiled = True
+
+    def disable_profiler(self) -> None:
+        with _java_errors(self._j):
+            self._plan.withoutProfiler()
 
     def profiler_rows(self) -> tuple[list[TaskProfile], int, int]:
         """(per-task rows, CUDA-graph replays, replay ns) since enable_profiler; zeros before it."""
-        if not self._profile:
+        if not self._profiled:
             return [TaskProfile(g.name, t.name, t.kernel) for g in self.graphs for t in g.tasks], 0, 0
         with _java_errors(self._j):
             r = self._plan.getProfilerResult()

@@ -46,6 +46,9 @@ class TorchProgram:
     def enable_profiler(self) -> None:
         self._profile = True
 
+    def disable_profiler(self) -> None:
+        self._profile = False
+
     def _launch_eager(self, stream: int) -> None:
         for calls in self._calls:
             for fn, args in calls:

@@ -342,6 +342,9 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     traced_per_step: list[int] = []
     gap: dict[str, Any] | None = None
     if on_gpu and cuda_steps > 0:
+        # Everything below is timed by torch.profiler: the plan's own profiler, which synchronises each launch
+        # (each replay), would serialise generate()'s pipelined steps and show its host time as device idle.
+        plan.without_profiler()
         gap = _trace_decode_loop(engine, prompt_ids, n_tokens, plan.launches_per_execution)
         engine.reset()
         engine.generate(prompt_ids, 1)  # prefill; the traced steps are pure decode steps
