@@ -2,11 +2,12 @@
 
 A Q8_0 block is 34 bytes (fp16 scale, 32 int8 codes), so inside a row nothing is more than 2-byte aligned and
 the CUDA dot product reads a row as 16-bit words: three load instructions per lane for every 4 values, too
-few bytes in flight per register to keep HBM busy. Tiling moves the same bytes within each row (same row
-size, same values) so that a lane finds the codes and scales of 4 consecutive dot-product steps in one
-16-byte and one 8-byte word (layout: ``csrc/include/tornado_moe.h``, ``TM_Q8_0_TILED``). The kernels feed the
-same operands to the same arithmetic in the same order, so every result is bitwise the one the GGUF layout
-gives. It is an in-memory layout of the engine, never written to a file.
+few bytes in flight per register to keep HBM busy. Tiling moves the bytes within each row (same row size,
+same values) so that a lane finds the codes and scales of 4 consecutive dot-product steps in one 16-byte and
+one 8-byte word, and stores each code as q + 128, the form the GPU's int8 -> float conversion starts from
+(layout: ``csrc/include/tornado_moe.h``, ``TM_Q8_0_TILED``). The kernels feed the same values to the same
+arithmetic in the same order, so every result is bitwise the one the GGUF layout gives. It is an in-memory
+layout of the engine, never written to a file.
 """
 
 from __future__ import annotations
