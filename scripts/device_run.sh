@@ -13,6 +13,8 @@
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
 # build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
 # profile stage's arguments, default `-n 8`);
+# PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
+# branch's .tune-<name>/scripts/proto/*.cu);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -25,7 +27,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: tuning, ncu
+STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -80,6 +82,17 @@ if want tests; then
   echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
 fi
 
+if want proto; then  # standalone benchmarks: nvcc against this tree's headers (the file's own directory first)
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  for f in ${PROTO:-}; do
+    name=$(basename "$f" .cu)
+    stamp "proto $f"
+    "$nvcc" -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I "$(dirname "$f")" \
+      -I csrc/include -I csrc/common -I csrc/cuda "$f" -o "/tmp/proto_$name" > "$OUT/proto_$name.log" 2>&1 \
+      && timeout -k 10 "$(left 60)" "/tmp/proto_$name" >> "$OUT/proto_$name.log" 2>&1
+    cat "$OUT/proto_$name.log"
+  done
+fi
 if want kernels; then
   stamp "kernel microbenchmarks (this tree: tiled and GGUF-layout Q8_0 rows; baseline)"
   for layout in tiled gguf; do
