@@ -44,8 +44,9 @@ configure() {  # source dir, build dir, log[, extra nvcc flags]
     ${4:+"-DCMAKE_CUDA_FLAGS=$4"} -DTORNADO_MOE_JNI_INCLUDE_DIR="$ROOT/.jni/include" > "$3" 2>&1 \
     && cmake --build "$2" -j16 >> "$3" 2>&1
 }
-# Tuning builds (TUNING="name:nvcc -D flags;..."): this tree rebuilt per entry, in the background from the start
-# (compiling is CPU work; the GPU stages run meanwhile), waited for by the tuning stage.
+# Tuning builds (TUNING="name:nvcc -D flags;..."): per entry this tree, or the carried tree .tune-<name>, built in
+# the background from the start (compiling is CPU work; the GPU stages run meanwhile), waited for by the tuning
+# stage.
 IFS=';' read -ra TUNES <<< "${TUNING:-}"
 TUNE_PIDS=()
 if want tuning; then

@@ -502,7 +502,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f"achieved {_fmt(v['achieved_gb_s'], '.1f')} GB/s ({_fmt(pct, '.1f')}% of copy)")
         if v.get("step_gap_us"):
             g = v["step_gap_us"]
-            lines.append(f"   between decode steps (generate, profiler on): the GPU idles "
+            lines.append(f"   between decode steps (one generate() under torch.profiler): the GPU idles "
                          f"{g['median_us']:.1f} us (median of {g['decode_steps'] - 1} boundaries, max "
                          f"{g['max_us']:.1f}); copies "
                          f"{g['copy_us_per_step']:.1f} us per step; a step's kernels span "
