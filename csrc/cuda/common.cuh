@@ -105,6 +105,21 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// A float a kernel needs only after its dot products (a bias, the residual it adds to), loaded before them so
+// that its round trip overlaps theirs instead of following them. A strong load at gpu scope: it reads around L1
+// as __ldcg does (common for values rewritten in place), and ptxas keeps it where it is written, where it sinks
+// __ldg / __ldcg loads down to their first use (results/NOTES.md, lesson 21).
+__device__ __forceinline__ float ld_ahead(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int32_t ld_ahead(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // A hint that the 128-byte line holding p will be read soon (no fault, no effect on results).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));

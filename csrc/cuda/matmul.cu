@@ -52,6 +52,22 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   const float* xs[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;
+  if constexpr (NR == 1 && NT == 1) {
+    // One row, one token (attn_output in decode): lane 0's bias and the residual it adds to are loaded before the
+    // dot product (ld_ahead), so their round trip is not the kernel's last. Only this instantiation: a change to
+    // the two-row matmul's code cost the output head 1.5-6 us on the H200 (results/NOTES.md, lessons 26, 30).
+    const bool owner = lane == 0 && t0 < n_tokens;
+    float* o = y + t0 * rows + r0;
+    const float b = owner && bias != nullptr ? ld_ahead(bias + r0) : 0.0f;
+    const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
+    float out[1][1];
+    warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, out);
+    if (!owner) return;
+    float v = out[0][0];
+    if (bias != nullptr) v = __fadd_rn(v, b);
+    *o = accumulate ? __fadd_rn(y_in, v) : v;
+    return;
+  }
   float out[NR][NT];
   warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
 #pragma unroll
