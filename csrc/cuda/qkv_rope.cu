@@ -7,7 +7,7 @@
  * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes);
  * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
- * (v = dot + bias), and lane 0 rotates them with rope.cuh's rope_rotate, as tm_rope_kv_append does. q goes to `q`,
+ * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
  * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
  * each warp prefetches its two weight rows into L2.
  */
@@ -46,7 +46,7 @@ struct QkvArgs {
 
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, then the norm scratch
+  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then 3 words of rope per warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
@@ -69,6 +69,18 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     prefetch_row_l2(a.w[which] + ra * a.row_bytes, a.row_bytes, lane);
     prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
   }
+  // The rotation's factors depend on the position only, and their double-precision evaluation is long: lane 0
+  // computes them before pdl_wait from the position the previous step left (a guess, read as the attention kernel
+  // reads it; checked after the dot product, and computed again if it moved), into shared memory, so that they are
+  // off the path that follows the dot product. The factors are the same bits either way.
+  float* rope_slot = qkv_h + a.hidden + kNormWarps + 1 + 3 * warp;  // c, s, the guessed position
+  if (active && which < 2 && lane == 0) {
+    const int32_t guess = *reinterpret_cast<const volatile int32_t*>(a.pos);
+    const RopeFactors f = rope_factors(static_cast<int64_t>(guess) + t, i, a.head_dim, a.freq_base);
+    rope_slot[0] = f.c;
+    rope_slot[1] = f.s;
+    rope_slot[2] = __int_as_float(guess);
+  }
   pdl_begin();
   const float* xt = a.x + t * a.hidden;
   block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
@@ -83,8 +95,13 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
     vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
   }
-  const int64_t p = static_cast<int64_t>(a.pos[0]) + t;
-  if (which < 2) rope_rotate(p, i, a.head_dim, a.freq_base, va, vb);
+  const int32_t p0 = a.pos[0];
+  const int64_t p = static_cast<int64_t>(p0) + t;
+  if (which < 2) {
+    RopeFactors f{rope_slot[0], rope_slot[1]};
+    if (__float_as_int(rope_slot[2]) != p0) f = rope_factors(p, i, a.head_dim, a.freq_base);
+    rope_apply(f, va, vb);
+  }
   float* dst;
   if (which == 0) {
     dst = a.q + (t * a.n_heads + head) * a.head_dim;
@@ -120,7 +137,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const int64_t smem = (hidden + kNormWarps + 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = (hidden + kNormWarps + 1 + 3 * kQkvWarps) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,

@@ -13,17 +13,29 @@
 
 namespace tm_cuda {
 
-// Rotates (a, b), the pair i of a head, for position p.
-__device__ __forceinline__ void rope_rotate(int64_t p, int64_t i, int64_t head_dim, float freq_base, float& a,
-                                            float& b) {
+// The rotation's factors (cos, sin) for pair i of a head at position p.
+struct RopeFactors {
+  float c, s;
+};
+__device__ __forceinline__ RopeFactors rope_factors(int64_t p, int64_t i, int64_t head_dim, float freq_base) {
   const double theta = static_cast<double>(p) *
                        pow(static_cast<double>(freq_base), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
   double sd, cd;
   sincos(theta, &sd, &cd);
-  const float c = static_cast<float>(cd), s = static_cast<float>(sd);
-  const float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-  b = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+  return RopeFactors{static_cast<float>(cd), static_cast<float>(sd)};
+}
+
+// Rotates (a, b) by the factors f.
+__device__ __forceinline__ void rope_apply(RopeFactors f, float& a, float& b) {
+  const float a2 = __fsub_rn(__fmul_rn(a, f.c), __fmul_rn(b, f.s));
+  b = __fadd_rn(__fmul_rn(a, f.s), __fmul_rn(b, f.c));
   a = a2;
+}
+
+// Rotates (a, b), the pair i of a head, for position p.
+__device__ __forceinline__ void rope_rotate(int64_t p, int64_t i, int64_t head_dim, float freq_base, float& a,
+                                            float& b) {
+  rope_apply(rope_factors(p, i, head_dim, freq_base), a, b);
 }
 
 }  // namespace tm_cuda
