@@ -164,6 +164,12 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
     const int64_t base = tile * kAttTile;
     const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
+    // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
+    // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
+    if (lane < nvalid) {
+      const float* vr = vb + (base + lane) * row_stride;
+      for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(vr + 32 * c);
+    }
     float part[kAttTile];
 #pragma unroll
     for (int j = 0; j < kAttTile; ++j) {

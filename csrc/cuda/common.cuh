@@ -125,6 +125,11 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
+// The same hint into this multiprocessor's L1: for data the block reads once more soon (an attention tile's values).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
+
 // The lines of a weight row into L2: what a kernel may do before pdl_wait (weights never change), so its first
 // loads hit L2 while the previous kernel still runs. On sm_90 lane 0 hands the whole row to the copy engine (TMA)
 // in one instruction, whose requests do not queue in the multiprocessor's load path (H200, results/NOTES.md v4h:
