@@ -1,7 +1,8 @@
 """The fused kernels are bitwise the unfused sequences they replace, and the dot product keeps its promises on
 the shapes the small kernel tests do not reach.
 
-- ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device;
+- ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device, also
+  when the kernel before it moves the position it reads;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
 - ``router_experts_gate_up`` == rmsnorm_router_topk then experts_gate_up, bit for bit, and leaves its scratch
@@ -89,6 +90,42 @@ def test_qkv_rope_is_the_unfused_sequence_bitwise(device: str, qtype: int, neox:
     assert torch.equal(kc[rows], kc_ref[rows]) and torch.equal(vc[rows], vc_ref[rows])
     # no other cache row is touched
     assert torch.isnan(kc[:pos0]).all() and torch.isnan(vc[pos0 + n_tokens :]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
+    """qkv_rope computes its rotation factors before pdl_wait from the position it finds then (a guess) and
+    must compute them again when the kernel before it moves the position. Here that kernel is an argmax over a
+    long row that writes the position at its end (argmax triggers its dependents at its start): on the GPU
+    qkv_rope's blocks read the old position 0 while it runs, and the result must still be the unfused
+    sequence's at position 5."""
+    n_tokens, hidden, n_heads, n_kv, hd, new_pos = 1, 256, 4, 2, 64, 5
+    qtype, max_ctx, eps, base = ref.QTYPES["Q8_0"], 8, 1e-6, 10000.0
+    rng = np.random.default_rng(12)
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 2.0), randn(rng, (hidden,), device)
+    ws = [ref.make_weights(rng, (n * hd, hidden), qtype, 0.2)[0].to(device) for n in (n_heads, n_kv, n_kv)]
+    bs = [randn(rng, (n * hd,), device) for n in (n_heads, n_kv, n_kv)]
+    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts qkv_rope's start
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    logits[0, new_pos] = 1.0
+
+    def run(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = poisoned((n_tokens, n_heads * hd), device)
+        kc, vc = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
+        K.qkv_rope(qtype, x, norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden, n_heads, n_kv, hd,
+                   max_ctx, base, True)
+        return q, kc, vc
+
+    expected = run(torch.tensor([new_pos], dtype=torch.int32, device=device))
+    pos = torch.zeros(1, dtype=torch.int32, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    K.argmax(logits, pos, 1, vocab)  # pos = 5, written at the argmax's end
+    got = run(pos)
+    assert int(pos.item()) == new_pos
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g.nan_to_num(7.0), e.nan_to_num(7.0))
+    assert not torch.isnan(got[0]).any() and not torch.isnan(got[1][new_pos]).any()
 
 
 def test_qkv_rope_without_bias_matches_float64() -> None:
