@@ -9,7 +9,8 @@
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
  * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
  * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
- * each warp prefetches its two weight rows into L2.
+ * each warp prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the
+ * position it finds then (checked against pos[0] after the dot product; see the kernel).
  */
 #include "norm.cuh"
 #include "qdot.cuh"
