@@ -14,7 +14,8 @@
  *   of q with the 32 keys (fma over the lane's dims in increasing order) are summed by a fixed transpose-butterfly
  *   (lane j ends with position j's score), s_j = dot * (1 / sqrt(head_dim)); e_j = exp(s_j - m_new); the tile sum
  *   of e_j is warp_sum; the tile's value sum is sum_j e_j v_j in increasing j (the value rows asked for in L1
- *   before the scores); then l = l * c + sum_e and acc = acc * c + tile_acc with c = exp(m_old - m_new). Partials (m, l, acc) are combined in two fixed levels:
+ *   before the scores); then l = l * c + sum_e and acc = acc * c + tile_acc with c = exp(m_old - m_new).
+ *   Partials (m, l, acc) are combined in two fixed levels:
  *   each block merges its 4 warps in warp order (M = max m_w, L = sum_w l_w exp(m_w - M), A = sum_w acc_w
  *   exp(m_w - M)), then block 0 of the cluster merges the 8 block partials in block order, read through
  *   distributed shared memory, and writes out = A / L. The number of workers and the tile size are constants, so
