@@ -96,9 +96,9 @@ def test_qkv_rope_is_the_unfused_sequence_bitwise(device: str, qtype: int, neox:
 def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
     """qkv_rope computes its rotation factors before pdl_wait from the position it finds then (a guess) and
     must compute them again when the kernel before it moves the position. Here that kernel is an argmax over a
-    long row that writes the position at its end (argmax triggers its dependents at its start): on the GPU
-    qkv_rope's blocks read the old position 0 while it runs, and the result must still be the unfused
-    sequence's at position 5."""
+    long row that writes the position at its end and triggers its dependents at its start, so that on the GPU
+    qkv_rope's blocks can start, and read the old position 0, while it runs; the result must still be the
+    unfused sequence's at position 5."""
     n_tokens, hidden, n_heads, n_kv, hd, new_pos = 1, 256, 4, 2, 64, 5
     qtype, max_ctx, eps, base = ref.QTYPES["Q8_0"], 8, 1e-6, 10000.0
     rng = np.random.default_rng(12)

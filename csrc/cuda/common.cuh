@@ -114,11 +114,6 @@ __device__ __forceinline__ float ld_ahead(const float* p) {
   asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ int32_t ld_ahead(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // A hint that the 128-byte line holding p will be read soon (no fault, no effect on results).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

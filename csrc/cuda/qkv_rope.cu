@@ -20,6 +20,7 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
+constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -47,7 +48,7 @@ struct QkvArgs {
 
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then 3 words of rope per warp
+  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then the warps' rope slots
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   // computes them before pdl_wait from the position the previous step left (a guess, read as the attention kernel
   // reads it; checked after the dot product, and computed again if it moved), into shared memory, so that they are
   // off the path that follows the dot product. The factors are the same bits either way.
-  float* rope_slot = qkv_h + a.hidden + kNormWarps + 1 + 3 * warp;  // c, s, the guessed position
+  float* rope_slot = qkv_h + a.hidden + kNormWarps + 1 + kRopeSlotWords * warp;
   if (active && which < 2 && lane == 0) {
     const int32_t guess = *reinterpret_cast<const volatile int32_t*>(a.pos);
     const RopeFactors f = rope_factors(static_cast<int64_t>(guess) + t, i, a.head_dim, a.freq_base);
@@ -138,7 +139,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const int64_t smem = (hidden + kNormWarps + 1 + 3 * kQkvWarps) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
