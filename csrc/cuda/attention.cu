@@ -138,7 +138,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   };
   {
     // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
-    const int64_t n_guess = context(static_cast<int64_t>(*reinterpret_cast<const volatile int32_t*>(pos)));
+    const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
     const int64_t lines = (head_dim * 4 + 127) / 128;
     for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
       const int64_t j = tile * kAttTile + lane;

@@ -105,6 +105,13 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// Before pdl_wait, the value a small device word (the decode position) holds now: a guess only, since the previous
+// kernel may still rewrite it. A kernel uses it for work it checks after pdl_wait (hints, or results it recomputes
+// when the word moved), never for a result as it stands. Volatile: the load is issued where it is written.
+__device__ __forceinline__ int32_t peek_before_wait(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
+
 // A float a kernel needs only after its dot products (a bias, the residual it adds to), loaded before them so
 // that its round trip overlaps theirs instead of following them. A strong load at gpu scope: it reads around L1
 // as __ldcg does (common for values rewritten in place), and ptxas keeps it where it is written, where it sinks

@@ -72,12 +72,12 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
   }
   // The rotation's factors depend on the position only, and their double-precision evaluation is long: lane 0
-  // computes them before pdl_wait from the position the previous step left (a guess, read as the attention kernel
-  // reads it; checked after the dot product, and computed again if it moved), into shared memory, so that they are
-  // off the path that follows the dot product. The factors are the same bits either way.
+  // computes them before pdl_wait from the position the previous step left (peek_before_wait: a guess, checked
+  // after the dot product, and computed again if it moved), into shared memory, so that they are off the path
+  // that follows the dot product. The factors are the same bits either way.
   float* rope_slot = qkv_h + a.hidden + kNormWarps + 1 + kRopeSlotWords * warp;
   if (active && which < 2 && lane == 0) {
-    const int32_t guess = *reinterpret_cast<const volatile int32_t*>(a.pos);
+    const int32_t guess = peek_before_wait(a.pos);
     const RopeFactors f = rope_factors(static_cast<int64_t>(guess) + t, i, a.head_dim, a.freq_base);
     rope_slot[0] = f.c;
     rope_slot[1] = f.s;

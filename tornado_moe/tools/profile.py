@@ -183,14 +183,18 @@ def chain_times(spans: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def _whole_steps(spans: Sequence[tuple[float, float]], per_step: int) -> list[Sequence[tuple[float, float]]]:
+    """``spans`` cut into consecutive steps of ``per_step`` kernels; a partial step at the end is left out."""
+    return [spans[k:k + per_step] for k in range(0, len(spans) - per_step + 1, per_step)]
+
+
 def step_gaps(spans: Sequence[tuple[float, float]], per_step: int) -> list[float]:
     """GPU idle time at each boundary between consecutive steps: ``spans`` (start, end) are the kernels of
     whole steps in start order, ``per_step`` kernels each; per boundary, the next step's first start minus the
     latest end so far (0 where a step starts before the previous one has drained)."""
     out: list[float] = []
     latest = -math.inf
-    for k in range(0, len(spans) - per_step + 1, per_step):
-        step = spans[k:k + per_step]
+    for k, step in enumerate(_whole_steps(spans, per_step)):
         if k > 0:
             out.append(max(0.0, step[0][0] - latest))
         latest = max(latest, max(end for _, end in step))
@@ -231,7 +235,7 @@ def _trace_decode_loop(engine: Any, prompt_ids: list[int], n_tokens: int,
     first = decode[0].time_range.start
     copies = [e for e in events if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy")
               and e.time_range.start >= first]
-    steps = [spans[k:k + per_step] for k in range(0, len(spans), per_step)]
+    steps = _whole_steps(spans, per_step)
     # a step's kernel span inside the loop, and the period from one step's first start to the next one's
     span = [max(e for _, e in st) - st[0][0] for st in steps]
     period = [b[0][0] - a[0][0] for a, b in itertools.pairwise(steps)]
