@@ -297,8 +297,9 @@ def test_experts_down_is_shared_then_routed_bitwise(
     hidden: int
 ) -> None:
     """Shared then routed slots into one x (7 slots: groups of 4, 2 and 1; an odd hidden size: a partial
-    block of rows); on CUDA an expert id out of range gives NaN in both, and a small shared-memory cap takes
-    the two-launch path."""
+    block of rows); on CUDA an expert id out of range gives NaN in both, tiled shared rows of a multiple of
+    256 values are read from copies in shared memory, a cap too small for those copies takes the one-launch
+    kernel's reader from global memory, and a smaller one the two-launch path."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     rng = np.random.default_rng(19)
@@ -324,7 +325,7 @@ def test_experts_down_is_shared_then_routed_bitwise(
                           ffn_sh)
     K.moe_down_accumulate(qtype, wd, act, ids, wts, None, None, want, n_tokens, top_k, 0, top_k, n_experts,
                           hidden, ffn)
-    for smem_cap in (0, 64):  # 64 bytes: too little for the one-launch kernel's slot terms
+    for smem_cap in (0, 1024, 64):  # 1024 bytes: no room for 4 row copies; 64: nor for the slot terms
         if smem_cap and device != "cuda":
             continue
         K.set_launch_limits_for_testing(smem_cap, 0)

@@ -149,6 +149,51 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 #endif
 }
 
+// ---- weight rows copied into shared memory by the copy engine (sm_90) ---------------------------------------
+// A warp hands whole rows to the TMA unit in one instruction each (lane 0), with a transaction barrier in shared
+// memory that completes when the bytes have landed: the bytes in flight then cost no registers, and the dot
+// product reads them at shared-memory latency. Copies need 16-byte aligned addresses and sizes. A barrier is
+// used for one phase per kernel (wait parity 0), which is all the kernels need.
+// Which kernels copy rows that way (a measurement knob, bits: 1 qkv_rope, 2 the shared expert's down); with a bit
+// clear that kernel prefetches its rows into L2 instead. Either way the same bits.
+#ifndef TM_SMEM_ROWS
+#define TM_SMEM_ROWS 3
+#endif
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Lane 0: arm `bar` for `bytes` and start the copies of nrows rows, row i from src + i * src_stride to
+// dst + i * bytes / nrows (contiguous in shared memory).
+__device__ __forceinline__ void bulk_rows_to_smem(uint8_t* dst, const uint8_t* src, int64_t src_stride, int nrows,
+                                                  uint32_t row_bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t b = smem_addr(bar);
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(b) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(row_bytes * nrows)
+               : "memory");
+  for (int i = 0; i < nrows; ++i)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst + i * row_bytes)),
+                 "l"(src + i * src_stride), "r"(row_bytes), "r"(b)
+                 : "memory");
+#endif
+}
+// Every lane: wait until the copies armed on `bar` have landed (after a __syncwarp that orders lane 0's init).
+__device__ __forceinline__ void bulk_wait(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t b = smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(b)
+        : "memory");
+  } while (!done);
+#endif
+}
+
 // ---- flags between the blocks of one grid ------------------------------------------------------------------
 // Integer words only (never a floating-point atomic). A block publishes what its threads stored with
 // __syncthreads() and then flag_release in one thread; a consumer block calls block_wait_flag (every thread), after

@@ -270,9 +270,12 @@ struct DownArgs {
 // The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
 // activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
 // id out of range).
-template <Fmt F, int NR, bool V>
+// SM: the row (NR = 1) is the copy `row_copy` in shared memory.
+template <Fmt F, int NR, bool V, bool SM = false>
 __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
-                                          float gate, float (&d)[NR][1], float (&w_eff)[NR]) {
+                                          float gate, float (&d)[NR][1], float (&w_eff)[NR],
+                                          const uint8_t* row_copy = nullptr) {
+  static_assert(!SM || NR == 1, "one row copy");
   const uint8_t* wr[NR];
   const float* xs[NR];
 #pragma unroll
@@ -281,13 +284,13 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
     const bool bad = e < 0 || e >= a.n_experts;
     if (bad) e = 0;
-    wr[i] = a.w_down + (e * a.hidden + r) * a.row_bytes;
+    wr[i] = SM ? row_copy : a.w_down + (e * a.hidden + r) * a.row_bytes;
     xs[i] = a.act + slot * a.ffn;
     float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  warp_dot<F, NR, 1, false, V>(wr, xs, a.nblocks, d);
+  warp_dot<F, NR, 1, false, V, SM>(wr, xs, a.nblocks, d);
 }
 
 // acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
@@ -378,6 +381,10 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   (one row x 4 slots per routed warp, 126-128 registers, 2 blocks per SM), though slower launched back to back
 //   alone (kernel_bench 14.0 against 12.7 us); twice the warps did not double the throughput (results/NOTES.md,
 //   v4l, lesson 23).
+//   With SM (tiled rows of a multiple of 256 values, when shared memory allows) a shared warp has its row copied
+//   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_rows_to_smem):
+//   one round trip instead of 11 dependent ones from L2 for a 5632-value row (H200, that shape alone: 7.19 ->
+//   5.92 us, results/NOTES.md lead 36); else it prefetches the row into L2.
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
@@ -387,19 +394,35 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
   return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
 
-template <Fmt FS, bool VS, Fmt FR, bool VR>
+// Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
+__host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
+  return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
+}
+
+template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
-  extern __shared__ float down_smem[];  // [kSplitRows][top_k] routed terms, then [kSplitRows] shared terms
+  // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
+  extern __shared__ __align__(16) float down_smem[];
+  __shared__ uint64_t rows_landed[kSplitRows];
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kSplitRows;
   const bool shared_warp = warp < kSplitRows;
-  if (shared_warp && r0 + warp < sh.hidden && t == 0)  // the shared expert's rows are known up front
+  // (SM) this shared warp's row copy: formed where it is used, so that no register holds it across the gate
+  auto row_copy = [&]() {
+    return reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) + warp * sh.row_bytes;
+  };
+  if constexpr (SM) {  // the shared expert's rows are known up front
+    if (shared_warp && r0 + warp < sh.hidden && lane == 0)
+      bulk_rows_to_smem(row_copy(), sh.w_down + (r0 + warp) * sh.row_bytes, 0, 1,
+                        static_cast<uint32_t>(sh.row_bytes), &rows_landed[warp]);
+  } else if (shared_warp && r0 + warp < sh.hidden && t == 0) {
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
+  }
   pdl_begin();
   if (shared_warp) {
     const int64_t r = r0 + warp;
@@ -407,7 +430,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       float gate = 1.0f;
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
       float d[1][1], w_eff[1];
-      down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
+      if constexpr (SM) {
+        __syncwarp();  // lane 0's barrier init before the other lanes poll it
+        bulk_wait(&rows_landed[warp]);
+        down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
+      } else {
+        down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
+      }
       if (lane == 0) s_shared[warp] = __fmul_rn(w_eff[0], d[0][0]);
     }
   } else {
@@ -618,13 +647,21 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
       constexpr Fmt FS = decltype(fstag)::value, FR = decltype(frtag)::value;
       constexpr bool VS = decltype(vstag)::value, VR = decltype(vrtag)::value;
       if constexpr (down_pair_ok(FS, FR)) {
-        for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
-          const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-          TM_TRY(launch(lim, fn, experts_down_kernel<FS, VS, FR, VR>,
-                        dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kRowsPerBlock * 32),
-                        static_cast<size_t>(smem), s, sh, rt, gate_inp_sh, h, x, gate_mode, t0));
+        auto run = [&](auto kernel, int64_t bytes) -> int {
+          TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, fn));
+          for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+            const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+            TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                          dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
+                          gate_mode, t0));
+          }
+          return TM_OK;
+        };
+        if constexpr (FS == Fmt::Q8_0T16 && (TM_SMEM_ROWS & 2) != 0) {  // when the copies fit (the same bits)
+          const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
+          if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
         }
-        return TM_OK;
+        return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);
       } else {
         return two_launches();
       }

@@ -319,6 +319,16 @@ template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
 }
+// A word of a tiled row: from global memory (read-only path), or with SM from the copy of the row the kernel put
+// in its shared memory (a plain load: the compiler sees the shared address space through the inlined pointer).
+template <class T, bool SM>
+__device__ __forceinline__ T ld_row(const uint8_t* p) {
+  if constexpr (SM) {
+    return *reinterpret_cast<const T*>(p);
+  } else {
+    return ldg_vec<T>(p);
+  }
+}
 
 // A tiled row's step: Q8_0's fragments and arithmetic, on codes stored as q + 128 (tornado_moe.h).
 struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
@@ -332,7 +342,7 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
@@ -347,14 +357,14 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if constexpr (W16) {
-          const uint4 q = ldg_vec<uint4>(code[r] + v * 512);
+          const uint4 q = ld_row<uint4, SM>(code[r] + v * 512);
           c[v][r][0] = make_uint2(q.x, q.y);
           c[v][r][1] = make_uint2(q.z, q.w);
         } else {
-          c[v][r][0] = ldg_vec<uint2>(code[r] + v * 512);
-          c[v][r][1] = ldg_vec<uint2>(code[r] + v * 512 + 8);
+          c[v][r][0] = ld_row<uint2, SM>(code[r] + v * 512);
+          c[v][r][1] = ld_row<uint2, SM>(code[r] + v * 512 + 8);
         }
-        sc[v][r] = ldg_vec<uint2>(scale[r] + v * 32);
+        sc[v][r] = ld_row<uint2, SM>(scale[r] + v * 32);
       }
     } else if (g == ngroups && tail > 0) {
 #pragma unroll
@@ -367,8 +377,8 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 #pragma unroll
         for (int u = 0; u < 3; ++u) {
           if (u < tail) {
-            q[u] = ldg_vec<uint32_t>(tcode + 4 * u);
-            d[u] = ldg_u16(tscale + 2 * u);
+            q[u] = ld_row<uint32_t, SM>(tcode + 4 * u);
+            d[u] = ld_row<unsigned short, SM>(tscale + 2 * u);
           }
         }
         c[v][r][0] = make_uint2(q[0], q[1]);
@@ -409,7 +419,7 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V>
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT]) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
@@ -436,7 +446,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       code[r] += kGroups * 512;
@@ -447,7 +457,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -522,12 +532,14 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
-template <Fmt F, int NR, int NT, bool SX, bool V>
+//   SM       : the rows w[r] are copies in shared memory (tiled layouts only; bulk_rows_to_smem in common.cuh).
+template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
+  static_assert(!SM || fmt_tiled(F), "only the tiled reader reads rows from shared memory");
   if constexpr (fmt_tiled(F))
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V>(w, x, nblocks, out);
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out);
   else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
 }
