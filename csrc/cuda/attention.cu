@@ -88,6 +88,13 @@ constexpr int kAttWarps = 4;
 constexpr int kAttCluster = 8;
 constexpr int kAttTile = 32;
 constexpr int kAttWorkers = kAttWarps * kAttCluster;
+// The value prefetch (below) only for tiles of at least this many positions: at a short context (a partial tile)
+// it cost more than it saved on the H200 (attention's chain at 4-12 positions: 115.7 -> 109.8 us a token without
+// it; results/NOTES.md lesson 34). 0: every tile.
+#ifndef TM_ATT_V_PREFETCH_MIN
+#define TM_ATT_V_PREFETCH_MIN kAttTile
+#endif
+constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -167,7 +174,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
     // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
     // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
-    if (lane < nvalid) {
+    if (lane < nvalid && nvalid >= kAttVPrefetchMin) {
       const float* vr = vb + (base + lane) * row_stride;
       for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(vr + 32 * c);
     }

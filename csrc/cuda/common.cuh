@@ -154,11 +154,6 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 // memory that completes when the bytes have landed: the bytes in flight then cost no registers, and the dot
 // product reads them at shared-memory latency. Copies need 16-byte aligned addresses and sizes. A barrier is
 // used for one phase per kernel (wait parity 0), which is all the kernels need.
-// Which kernels copy rows that way (a measurement knob, bits: 1 qkv_rope, 2 the shared expert's down); with a bit
-// clear that kernel prefetches its rows into L2 instead. Either way the same bits.
-#ifndef TM_SMEM_ROWS
-#define TM_SMEM_ROWS 3
-#endif
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -25,8 +25,9 @@
  *   starts from the x the previous slot stored (the same float32 the fused accumulator held), so fused and
  *   per-slot calls agree bit for bit.
  * Expert ids outside [0, n_experts) cannot be reported from the device: they produce NaN outputs.
- * Without ids (a shared expert or dense FFN) the rows are known before the inputs: each down warp prefetches them
- * into L2 before pdl_wait (common.cuh's protocol); the gate-up does not (gate_up_block says why). Routed rows
+ * Without ids (a shared expert or dense FFN) the rows are known before the inputs: before pdl_wait each down warp
+ * prefetches them into L2 (common.cuh's protocol), or experts_down_accumulate's shared warps have them copied into
+ * shared memory; the gate-up does not (gate_up_block says why). Routed rows
  * depend on the router's output and are not prefetched (prefetching them once the ids are read was slower).
  */
 #include "norm.cuh"
@@ -394,6 +395,12 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
   return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
 
+// Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0
+// prefetches them into L2 instead, the same bits). qkv_rope measured slower that way on the H200 (its chain
+// 150.9 -> 130.3 us a token, but 745.3 against 771.7 tok/s for the down alone: results/NOTES.md v4o), so it does not.
+#ifndef TM_DOWN_ROWS_IN_SMEM
+#define TM_DOWN_ROWS_IN_SMEM 1
+#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -657,7 +664,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
           }
           return TM_OK;
         };
-        if constexpr (FS == Fmt::Q8_0T16 && (TM_SMEM_ROWS & 2) != 0) {  // when the copies fit (the same bits)
+        if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
           const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
           if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
         }

@@ -4,16 +4,13 @@
  *
  * Launch shape: blocks of 256 threads (8 warps), each for one token and 8 consecutive work items of it; a work
  * item is one rotation pair i of one q, k or v head: rows a = i, b = i + head_dim/2 (NEOX) or a = 2i, b = 2i + 1.
- * Before pdl_wait each warp has its two weight rows copied into shared memory by the copy engine (tiled rows of a
- * multiple of 256 values, 16-byte aligned; the other layouts prefetch them into L2 instead): the dot product then
- * reads them at shared-memory latency instead of walking them in dependent round trips from L2 (H200, qkv shape:
- * 5.83 -> 4.86 us standalone, results/NOTES.md lead 36). The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes);
+ * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes);
  * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
  * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
- * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Also before
- * pdl_wait, lane 0 computes its item's rotation factors from the position it finds then (checked against pos[0]
- * after the dot product; see the kernel).
+ * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
+ * each warp prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the
+ * position it finds then (checked against pos[0] after the dot product; see the kernel).
  */
 #include "norm.cuh"
 #include "qdot.cuh"
@@ -24,14 +21,6 @@ namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
 constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
-template <Fmt F>
-constexpr bool qkv_rows_can_be_in_smem() {
-  return F == Fmt::Q8_0T16 && (TM_SMEM_ROWS & 1) != 0;
-}
-// Floats of dynamic shared memory before the row copies: h, the norm scratch, the rope slots, rounded up to 16 bytes.
-__host__ __device__ inline int64_t qkv_rows_offset(int64_t hidden) {
-  return (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
-}
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -57,12 +46,9 @@ struct QkvArgs {
   int neox;
 };
 
-// SM: the rows are copied into shared memory (else prefetched into L2).
-template <Fmt F, bool V, bool SM>
+template <Fmt F, bool V>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  // [hidden] h, the norm scratch, the warps' rope slots, then (SM) each warp's two weight rows
-  extern __shared__ __align__(16) float qkv_h[];
-  __shared__ uint64_t rows_landed[kQkvWarps];
+  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then the warps' rope slots
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
@@ -81,12 +67,7 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const int64_t head = rest / half, i = rest % half;
   const int64_t da = a.neox ? i : 2 * i, db = a.neox ? i + half : 2 * i + 1;
   const int64_t ra = head * a.head_dim + da, rb = head * a.head_dim + db;
-  uint8_t* row_copy = reinterpret_cast<uint8_t*>(qkv_h + qkv_rows_offset(a.hidden)) + 2 * warp * a.row_bytes;
-  if constexpr (SM) {  // weights only: before pdl_wait
-    if (active && lane == 0)
-      bulk_rows_to_smem(row_copy, a.w[which] + ra * a.row_bytes, (rb - ra) * a.row_bytes, 2,
-                        static_cast<uint32_t>(a.row_bytes), &rows_landed[warp]);
-  } else if (active && t == 0) {
+  if (active && t == 0) {  // weights only: before pdl_wait
     prefetch_row_l2(a.w[which] + ra * a.row_bytes, a.row_bytes, lane);
     prefetch_row_l2(a.w[which] + rb * a.row_bytes, a.row_bytes, lane);
   }
@@ -106,16 +87,10 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const float* xt = a.x + t * a.hidden;
   block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
   if (!active) return;  // no barrier follows
+  const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
-  if constexpr (SM) {
-    bulk_wait(&rows_landed[warp]);  // (block_rmsnorm's barriers ordered lane 0's barrier init)
-    const uint8_t* copies[2] = {row_copy, row_copy + a.row_bytes};
-    warp_dot<F, 2, 1, true, V, true>(copies, xs, a.nblocks, out);
-  } else {
-    const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
-    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-  }
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {
@@ -201,19 +176,12 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    auto run = [&](auto kernel, int64_t smem) -> int {
-      TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, fn));
-      for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
-        const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
-        TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
-                      static_cast<size_t>(smem), s, a, b0));
-      }
-      return TM_OK;
-    };
-    if constexpr (qkv_rows_can_be_in_smem<F>()) {  // when the copies fit (the same bits either way)
-      const int64_t smem_rows = qkv_rows_offset(hidden) * 4 + 2 * kQkvWarps * a.row_bytes;
-      if (smem_rows <= lim.smem_block) return run(qkv_rope_kernel<F, V, true>, smem_rows);
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&qkv_rope_kernel<F, V>), smem, fn));
+    for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
+      const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
+      TM_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
+                           static_cast<size_t>(smem), s, a, b0));
     }
-    return run(qkv_rope_kernel<F, V, false>, smem);
+    return TM_OK;
   });
 }
