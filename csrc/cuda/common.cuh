@@ -150,33 +150,26 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 }
 
 // ---- weight rows copied into shared memory by the copy engine (sm_90) ---------------------------------------
-// A warp hands whole rows to the TMA unit in one instruction each (lane 0), with a transaction barrier in shared
-// memory that completes when the bytes have landed: the bytes in flight then cost no registers, and the dot
-// product reads them at shared-memory latency. Copies need 16-byte aligned addresses and sizes. A barrier is
-// used for one phase per kernel (wait parity 0), which is all the kernels need.
+// A warp hands a whole row to the TMA unit in one instruction (lane 0), with a transaction barrier in shared memory
+// that completes when the bytes have landed: the bytes in flight then cost no registers, and the dot product reads
+// them at shared-memory latency. Copies need 16-byte aligned addresses and sizes. A barrier is used for one phase
+// per kernel (wait parity 0), which is all the kernels need. sm_90 instructions, as pdl_wait's.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// Lane 0: arm `bar` for `bytes` and start the copies of nrows rows, row i from src + i * src_stride to
-// dst + i * bytes / nrows (contiguous in shared memory).
-__device__ __forceinline__ void bulk_rows_to_smem(uint8_t* dst, const uint8_t* src, int64_t src_stride, int nrows,
-                                                  uint32_t row_bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Lane 0: arm `bar` for `bytes` and start the copy of the row at src to dst.
+__device__ __forceinline__ void bulk_row_to_smem(uint8_t* dst, const uint8_t* src, uint32_t bytes, uint64_t* bar) {
   const uint32_t b = smem_addr(bar);
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(b) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(row_bytes * nrows)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(b)
                : "memory");
-  for (int i = 0; i < nrows; ++i)
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_addr(dst + i * row_bytes)),
-                 "l"(src + i * src_stride), "r"(row_bytes), "r"(b)
-                 : "memory");
-#endif
 }
-// Every lane: wait until the copies armed on `bar` have landed (after a __syncwarp that orders lane 0's init).
+// Every lane: wait until the copy armed on `bar` has landed (after a __syncwarp that orders lane 0's init).
 __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t b = smem_addr(bar);
   uint32_t done = 0;
   do {
@@ -186,7 +179,6 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
         : "r"(b)
         : "memory");
   } while (!done);
-#endif
 }
 
 // ---- flags between the blocks of one grid ------------------------------------------------------------------

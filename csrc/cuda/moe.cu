@@ -383,9 +383,9 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   alone (kernel_bench 14.0 against 12.7 us); twice the warps did not double the throughput (results/NOTES.md,
 //   v4l, lesson 23).
 //   With SM (tiled rows of a multiple of 256 values, when shared memory allows) a shared warp has its row copied
-//   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_rows_to_smem):
+//   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_row_to_smem):
 //   one round trip instead of 11 dependent ones from L2 for a 5632-value row (H200, that shape alone: 7.19 ->
-//   5.92 us, results/NOTES.md lead 36); else it prefetches the row into L2.
+//   5.92 us, results/NOTES.md v4o and lesson 37); else it prefetches the row into L2.
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
@@ -419,14 +419,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   const int64_t t = tok0 + blockIdx.y;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kSplitRows;
   const bool shared_warp = warp < kSplitRows;
-  // (SM) this shared warp's row copy: formed where it is used, so that no register holds it across the gate
+  // (SM) this shared warp's row copy, formed at each use (the SASS the H200 measured)
   auto row_copy = [&]() {
     return reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) + warp * sh.row_bytes;
   };
   if constexpr (SM) {  // the shared expert's rows are known up front
     if (shared_warp && r0 + warp < sh.hidden && lane == 0)
-      bulk_rows_to_smem(row_copy(), sh.w_down + (r0 + warp) * sh.row_bytes, 0, 1,
-                        static_cast<uint32_t>(sh.row_bytes), &rows_landed[warp]);
+      bulk_row_to_smem(row_copy(), sh.w_down + (r0 + warp) * sh.row_bytes, static_cast<uint32_t>(sh.row_bytes),
+                       &rows_landed[warp]);
   } else if (shared_warp && r0 + warp < sh.hidden && t == 0) {
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   }

@@ -532,7 +532,7 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //   w[r]     : start of row r (kBytes-sized blocks, or a tiled row); x[.]: start of the activation row (float32,
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
-//   SM       : the rows w[r] are copies in shared memory (tiled layouts only; bulk_rows_to_smem in common.cuh).
+//   SM       : the rows w[r] are copies in shared memory (tiled layouts only; bulk_row_to_smem in common.cuh).
 template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT]) {

@@ -5,7 +5,7 @@
 // registers a lane): a shared-down warp reads its 5,632-value row in 11 round trips, a qkv warp its row pair in 4,
 // each trip a load's latency plus the group's arithmetic, while hot-L2 runs (NOTES v4h, d6ff4ec) showed the
 // latency is not DRAM's. Here the same reader and arithmetic read the rows from shared memory, where the warp's
-// lane 0 had the copy engine put them in one bulk copy (common.cuh's bulk_rows_to_smem): one round trip a warp,
+// lane 0 had the copy engine put them in one bulk copy (common.cuh's bulk_row_to_smem): one round trip a warp,
 // and no registers for the bytes in flight. Variants, each launched under programmatic dependent launch as the
 // product does and timed over weight copies that rotate through more than the L2:
 //   base     : the production reader from global memory (pdl_wait first);
@@ -58,10 +58,10 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   uint8_t* mine = rows_smem + warp * NR * row_bytes;
   const uint32_t bytes = static_cast<uint32_t>(NR * row_bytes);
   if (M == kL2Pre && active) tm_cuda::prefetch_row_l2(src, bytes, lane);
-  if (M == kSmemPre && active && lane == 0) tm_cuda::bulk_rows_to_smem(mine, src, 0, 1, bytes, &bars[warp]);
+  if (M == kSmemPre && active && lane == 0) tm_cuda::bulk_row_to_smem(mine, src, bytes, &bars[warp]);
   tm_cuda::pdl_begin();
   if (!active) return;
-  if (M == kSmemPost && lane == 0) tm_cuda::bulk_rows_to_smem(mine, src, 0, 1, bytes, &bars[warp]);
+  if (M == kSmemPost && lane == 0) tm_cuda::bulk_row_to_smem(mine, src, bytes, &bars[warp]);
   const float* xs[1] = {x};
   float out[NR][1];
   if constexpr (M == kSmemPre || M == kSmemPost) {
