@@ -396,8 +396,8 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 }
 
 // Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0
-// prefetches them into L2 instead, the same bits). qkv_rope measured slower that way on the H200 (its chain
-// 150.9 -> 130.3 us a token, but 745.3 against 771.7 tok/s for the down alone: results/NOTES.md v4o), so it does not.
+// prefetches them into L2 instead, the same bits). qkv_rope does not copy its rows: on the H200 it measured slower
+// that way end to end (745.3 against 771.7 tok/s for the down's copies alone; results/NOTES.md v4o, lesson 37).
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
