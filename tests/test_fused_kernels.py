@@ -298,8 +298,9 @@ def test_experts_down_is_shared_then_routed_bitwise(
 ) -> None:
     """Shared then routed slots into one x (7 slots: groups of 4, 2 and 1; an odd hidden size: a partial
     block of rows); on CUDA an expert id out of range gives NaN in both, tiled shared rows of a multiple of
-    256 values are read from copies in shared memory, a cap too small for those copies takes the one-launch
-    kernel's reader from global memory, and a smaller one the two-launch path."""
+    256 values are read from copies in shared memory (at an even hidden size the routed warps' first row pairs
+    too), a cap too small for the routed copies takes the shared ones alone, a smaller one the one-launch
+    kernel's reader from global memory, and a smaller one still the two-launch path."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     rng = np.random.default_rng(19)
@@ -325,7 +326,9 @@ def test_experts_down_is_shared_then_routed_bitwise(
                           ffn_sh)
     K.moe_down_accumulate(qtype, wd, act, ids, wts, None, None, want, n_tokens, top_k, 0, top_k, n_experts,
                           hidden, ffn)
-    for smem_cap in (0, 1024, 64):  # 1024 bytes: no room for 4 row copies; 64: nor for the slot terms
+    # 4096 bytes: no room for the routed copies (6.5 KB at 384 values); 1024: nor for 4 shared rows; 64: nor
+    # for the slot terms
+    for smem_cap in (0, 4096, 1024, 64):
         if smem_cap and device != "cuda":
             continue
         K.set_launch_limits_for_testing(smem_cap, 0)
@@ -337,6 +340,50 @@ def test_experts_down_is_shared_then_routed_bitwise(
             K.set_launch_limits_for_testing(0, 0)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     assert bool(torch.isnan(want).any()) == bad and not torch.isnan(want[0]).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot", [0, 3])
+def test_experts_down_reads_expert_ids_its_predecessor_writes(device: str, slot: int) -> None:
+    """experts_down_accumulate's routed warps copy rows before pdl_wait for the expert ids they find then (a
+    guess) and must read the right expert's rows when the kernel before it moves an id. Here that kernel is an
+    argmax over a long row that writes the slot's id at its end and triggers its dependents at its start (see
+    test_qkv_rope_reads_a_position_its_predecessor_writes); slot 0 is a routed warp's first copy, slot 3
+    another warp's second."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    n_experts, top_k, ffn_sh, ffn, hidden, new_id = 6, 4, 512, 384, 36, 5
+    rng = np.random.default_rng(23)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        return tile_q8_0(ref.make_weights(rng, shape, 8, 0.1)[0].to(device), shape[-1])
+
+    wd_sh, wd = weights((hidden, ffn_sh)), weights((n_experts, hidden, ffn))
+    act_sh, act = randn(rng, (1, ffn_sh), device), randn(rng, (1, top_k, ffn), device)
+    gate, h = randn(rng, (hidden,), device, 0.1), randn(rng, (1, hidden), device)
+    wts = torch.from_numpy(rng.random((1, top_k), dtype=np.float32)).to(device)
+    x0 = randn(rng, (1, hidden), device)
+    old_ids = torch.arange(top_k, dtype=torch.int32, device=device).reshape(1, top_k)
+    new_ids = old_ids.clone()
+    new_ids[0, slot] = new_id
+
+    def down(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate, ffn_sh, wd, act, ids, wts, h, x, 1, top_k,
+                                  n_experts, hidden, ffn)
+        return x
+
+    expected, stale = down(new_ids, x0.clone()), down(old_ids, x0.clone())
+    assert not torch.equal(expected, stale)  # the moved id changes the result
+    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts the down's start
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    logits[0, new_id] = 1.0
+    ids, x = old_ids.clone(), x0.clone()  # nothing launched between the argmax and the down
+    if device == "cuda":
+        torch.cuda.synchronize()
+    K.argmax(logits, ids.view(-1)[slot : slot + 1], 1, vocab)  # ids[0, slot] = new_id, at the argmax's end
+    got = down(ids, x)
+    assert torch.equal(ids, new_ids)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

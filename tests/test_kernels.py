@@ -242,6 +242,36 @@ def test_attention(device: str, shape: tuple[int, ...]) -> None:
     assert ref.rel_err(out, ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < TOL_ATTENTION
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
+    """attention runs the tiles of the context it guesses from the position found before pdl_wait and must run
+    them again when the kernel before it moves the position: here an argmax over a long row that writes the
+    position at its end and triggers its dependents at its start, so that on the GPU the attention's blocks
+    can start, and read the old position 0, while it runs. 40 positions: a whole tile and a partial one."""
+    n_heads, n_kv, head_dim, new_pos, max_ctx = 4, 2, 128, 39, 48
+    rng = np.random.default_rng(17)
+    q = randn(rng, (1, n_heads, head_dim), device)
+    k_cache, v_cache = (randn(rng, (max_ctx, n_kv, head_dim), device) for _ in range(2))
+
+    def run(pos: torch.Tensor) -> torch.Tensor:
+        out = poisoned((1, n_heads, head_dim), device)
+        K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx)
+        return out
+
+    expected, stale = run(int32([new_pos], device)), run(int32([0], device))
+    assert not torch.equal(expected, stale)
+    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts the attention's start
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    logits[0, new_pos] = 1.0
+    pos, out = int32([0], device), poisoned((1, n_heads, head_dim), device)  # nothing launched in between
+    if device == "cuda":
+        torch.cuda.synchronize()
+    K.argmax(logits, pos, 1, vocab)  # pos = new_pos, written at the argmax's end
+    K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx)
+    assert int(pos.item()) == new_pos
+    assert torch.equal(out, expected)
+
 # ---- router ------------------------------------------------------------------------------------------------
 
 

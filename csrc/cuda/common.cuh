@@ -122,6 +122,13 @@ __device__ __forceinline__ float ld_ahead(const float* p) {
   return v;
 }
 
+// The same for an int32 word (a position read after pdl_wait whose use comes late).
+__device__ __forceinline__ int32_t ld_ahead_i32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // A hint that the 128-byte line holding p will be read soon (no fault, no effect on results).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
