@@ -15,6 +15,8 @@
 # profile stage's arguments, default `-n 8`);
 # PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
 # branch's .tune-<name>/scripts/proto/*.cu);
+# env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
+# under each setting, e.g. `carve44:TORNADO_MOE_SMEM_CARVEOUT=44`);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -27,7 +29,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu
+STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -164,6 +166,19 @@ if want bench; then
   timeout -k 10 "$(left 150)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/bench.log"
+fi
+if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
+  IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"
+  for e in "${SWEEPS[@]}"; do
+    name=${e%%:*}; read -ra vars <<< "${e#*:}"
+    stamp "sweep $name: ${vars[*]}"
+    env "${vars[@]}" timeout -k 10 "$(left 50)" $CLI bench --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 \
+      --repeats 3 --compare fused,graphs,torch --json "$OUT/bench_sweep_$name.json" > "$OUT/bench_sweep_$name.log" 2>&1
+    echo "$name: $(grep -E '^fused' "$OUT/bench_sweep_$name.log")"
+    env "${vars[@]}" timeout -k 10 "$(left 40)" $CLI profile --model "$MODEL" --device cuda -n 8 \
+      --variants fused,graphs --json "$OUT/profile_sweep_$name.json" > "$OUT/profile_sweep_$name.log" 2>&1
+    grep -E "attn|attention|router|experts|chain" "$OUT/profile_sweep_$name.log"
+  done
 fi
 if want layout; then
   stamp "bench with GGUF-layout Q8_0 weights (no tiling)"

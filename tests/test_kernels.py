@@ -245,10 +245,11 @@ def test_attention(device: str, shape: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
-    """attention runs the tiles of the context it guesses from the position found before pdl_wait and must run
-    them again when the kernel before it moves the position: here an argmax over a long row that writes the
-    position at its end and triggers its dependents at its start, so that on the GPU the attention's blocks
-    can start, and read the old position 0, while it runs. 40 positions: a whole tile and a partial one."""
+    """attention's blocks start under PDL while the kernel before it runs, and before pdl_wait they prefetch
+    the cache rows of the context they find then; the context they attend to must be the position that kernel
+    writes: here an argmax over a long row that writes the position at its end and triggers its dependents at
+    its start, so that on the GPU the attention's blocks can start, and read the old position 0, while it
+    runs. 40 positions: a whole tile and a partial one."""
     n_heads, n_kv, head_dim, new_pos, max_ctx = 4, 2, 128, 39, 48
     rng = np.random.default_rng(17)
     q = randn(rng, (1, n_heads, head_dim), device)

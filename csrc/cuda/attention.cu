@@ -91,11 +91,6 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 // The value prefetch (below) only for tiles of at least this many positions: at a short context (a partial tile)
 // it cost more than it saved on the H200 (attention's chain at 4-12 positions: 115.7 -> 109.8 us a token without
 // it; results/NOTES.md lesson 34). 0: every tile.
-// Whether attention runs the tiles of the context it guesses from the position found before pdl_wait (checked
-// after them; a measurement knob: 0 waits for the position's load first).
-#ifndef TM_ATT_POS_GUESS
-#define TM_ATT_POS_GUESS 1
-#endif
 #ifndef TM_ATT_V_PREFETCH_MIN
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
@@ -148,10 +143,9 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     int64_t n = p0 + t + 1;
     return n > max_ctx ? max_ctx : (n < 0 ? 0 : n);
   };
-  // Before pdl_wait: the context from the position found now (a guess: the previous kernel may still move it),
-  // and this worker's cache rows pulled towards L2 (a hint; a stale position only misses).
-  const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
   {
+    // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
+    const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
     const int64_t lines = (head_dim * 4 + 127) / 128;
     for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
       const int64_t j = tile * kAttTile + lane;
@@ -164,96 +158,77 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     }
   }
   pdl_begin();
-#if TM_ATT_POS_GUESS
-  // The tiles of the guessed context, with the position's load in flight meanwhile (one L2 round trip fewer
-  // before the first key loads); a context that moved is computed again (the same bits as without the guess).
-  const int32_t pos_now = ld_ahead_i32(pos);
-  int64_t n_pos = n_guess;
-#else
-  int64_t n_pos = context(static_cast<int64_t>(pos[0]));
-#endif
+  const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
 
   float qr[DPL], acc[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
     const int d = lane + 32 * i;
     qr[i] = d < head_dim ? q[pair * head_dim + d] : 0.0f;
+    acc[i] = 0.0f;
   }
-  float m, l;
-  for (;;) {
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-    m = -INFINITY;
-    l = 0.0f;
-    const int64_t n_tiles = (n_pos + kAttTile - 1) / kAttTile;
-    for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
-      const int64_t base = tile * kAttTile;
-      const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
-      // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
-      // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
-      if (lane < nvalid && nvalid >= kAttVPrefetchMin) {
-        const float* vr = vb + (base + lane) * row_stride;
-        for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(vr + 32 * c);
-      }
-      float part[kAttTile];
-#pragma unroll
-      for (int j = 0; j < kAttTile; ++j) {
-        const float* kr = kb + (base + (j < nvalid ? j : 0)) * row_stride;  // past the end: re-read a valid row
-        float sacc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + 32 * i;
-          if (d < head_dim) sacc = __fmaf_rn(qr[i], kr[d], sacc);
-        }
-        part[j] = sacc;
-      }
-      const float dot = transpose_reduce32(part, lane);
-      const float sc = lane < nvalid ? __fmul_rn(dot, scale) : -INFINITY;
-      const float m_new = fmaxf(m, warp_max(sc));
-      const float corr = m == -INFINITY ? 0.0f : expf(__fsub_rn(m, m_new));
-      const float e = lane < nvalid ? expf(__fsub_rn(sc, m_new)) : 0.0f;
-      l = __fadd_rn(__fmul_rn(l, corr), warp_sum(e));
-      float tacc[DPL];
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) tacc[i] = 0.0f;
-      // Groups of kVGroup positions, unrolled, so that their rows of values are in flight together; rows past the
-      // tile end re-read a valid row and are not added (the order stays j = 0, 1, ...).
-      constexpr int kVGroup = DPL <= 4 ? 16 : 64 / DPL;
-#pragma unroll
-      for (int j0 = 0; j0 < kAttTile; j0 += kVGroup) {
-        if (j0 < nvalid) {
-          float vv[kVGroup][DPL];
-#pragma unroll
-          for (int jj = 0; jj < kVGroup; ++jj) {
-            const int j = j0 + jj;
-            const float* vr = vb + (base + (j < nvalid ? j : 0)) * row_stride;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-              const int d = lane + 32 * i;
-              vv[jj][i] = d < head_dim ? vr[d] : 0.0f;
-            }
-          }
-#pragma unroll
-          for (int jj = 0; jj < kVGroup; ++jj) {
-            const int j = j0 + jj;
-            const float ej = __shfl_sync(kFullMask, e, j);
-#pragma unroll
-            for (int i = 0; i < DPL; ++i)
-              if (j < nvalid) tacc[i] = __fmaf_rn(ej, vv[jj][i], tacc[i]);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[i] = __fadd_rn(__fmul_rn(acc[i], corr), tacc[i]);
-      m = m_new;
+  float m = -INFINITY, l = 0.0f;
+  const int64_t n_tiles = (n_pos + kAttTile - 1) / kAttTile;
+  for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
+    const int64_t base = tile * kAttTile;
+    const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
+    // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
+    // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
+    if (lane < nvalid && nvalid >= kAttVPrefetchMin) {
+      const float* vr = vb + (base + lane) * row_stride;
+      for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(vr + 32 * c);
     }
-#if TM_ATT_POS_GUESS
-    const int64_t n_final = context(static_cast<int64_t>(pos_now));
-    if (n_final == n_pos) break;
-    n_pos = n_final;
-#else
-    break;
-#endif
+    float part[kAttTile];
+#pragma unroll
+    for (int j = 0; j < kAttTile; ++j) {
+      const float* kr = kb + (base + (j < nvalid ? j : 0)) * row_stride;  // past the end: re-read a valid row
+      float sacc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < head_dim) sacc = __fmaf_rn(qr[i], kr[d], sacc);
+      }
+      part[j] = sacc;
+    }
+    const float dot = transpose_reduce32(part, lane);
+    const float sc = lane < nvalid ? __fmul_rn(dot, scale) : -INFINITY;
+    const float m_new = fmaxf(m, warp_max(sc));
+    const float corr = m == -INFINITY ? 0.0f : expf(__fsub_rn(m, m_new));
+    const float e = lane < nvalid ? expf(__fsub_rn(sc, m_new)) : 0.0f;
+    l = __fadd_rn(__fmul_rn(l, corr), warp_sum(e));
+    float tacc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) tacc[i] = 0.0f;
+    // Groups of kVGroup positions, unrolled, so that their rows of values are in flight together; rows past the
+    // tile end re-read a valid row and are not added (the order stays j = 0, 1, ...).
+    constexpr int kVGroup = DPL <= 4 ? 16 : 64 / DPL;
+#pragma unroll
+    for (int j0 = 0; j0 < kAttTile; j0 += kVGroup) {
+      if (j0 < nvalid) {
+        float vv[kVGroup][DPL];
+#pragma unroll
+        for (int jj = 0; jj < kVGroup; ++jj) {
+          const int j = j0 + jj;
+          const float* vr = vb + (base + (j < nvalid ? j : 0)) * row_stride;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) {
+            const int d = lane + 32 * i;
+            vv[jj][i] = d < head_dim ? vr[d] : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < kVGroup; ++jj) {
+          const int j = j0 + jj;
+          const float ej = __shfl_sync(kFullMask, e, j);
+#pragma unroll
+          for (int i = 0; i < DPL; ++i)
+            if (j < nvalid) tacc[i] = __fmaf_rn(ej, vv[jj][i], tacc[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[i] = __fadd_rn(__fmul_rn(acc[i], corr), tacc[i]);
+    m = m_new;
   }
 
   // Worker partials to shared memory; each block combines its 4 warps in warp order into a block partial, then

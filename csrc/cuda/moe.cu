@@ -357,26 +357,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // slot's factor w_eff (NaN for an expert id out of range), looked up as down_dots does (kept apart from it: this
 // code is what the H200 measured, and sharing a helper changes the compiler's register allocation). rb is ra + 1,
 // or ra itself at the last row of an odd hidden size (computed twice, stored once).
-// RC: `copy` holds the pair's rows of expert `guess` (or guess is -1); the copy is read when the slot's id is guess.
-template <Fmt F, bool V, bool RC = false>
+template <Fmt F, bool V>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
-                                              float (&d)[2][1], float& w_eff, int32_t guess = -1,
-                                              const uint8_t* copy = nullptr) {
+                                              float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
   int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
   const bool bad = e < 0 || e >= a.n_experts;
-  const float* xs[1] = {a.act + slot * a.ffn};
-  if constexpr (RC) {
-    if (guess >= 0 && e == guess) {
-      const uint8_t* wr[2] = {copy, copy + a.row_bytes};
-      warp_dot<F, 2, 1, true, V, true>(wr, xs, a.nblocks, d);
-      w_eff = a.weights != nullptr ? a.weights[slot] : 1.0f;
-      return;
-    }
-  }
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
+  const float* xs[1] = {a.act + slot * a.ffn};
   warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
   w_eff = bad ? kNaN : (a.weights != nullptr ? a.weights[slot] : 1.0f);
 }
@@ -396,9 +386,6 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_row_to_smem):
 //   one round trip instead of 11 dependent ones from L2 for a 5632-value row (H200, that shape alone: 7.19 ->
 //   5.92 us, results/NOTES.md v4o and lesson 37); else it prefetches the row into L2.
-//   With RC (tiled routed rows, an even hidden size) a routed warp also has the row pairs of its first
-//   kRoutedCopies slots copied before pdl_wait, of the experts whose ids it finds then (a guess, checked after the
-//   wait: a slot whose id moved is read from global memory, the same bits).
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
@@ -419,25 +406,13 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
 }
 
-// Whether experts_down_kernel's routed warps copy the row pairs of their first kRoutedCopies slots into shared
-// memory before pdl_wait, from the expert ids they find then (a measurement knob: 0 reads them from global memory
-// after the wait, the same bits). The router writes the ids early in router_experts_gate_up, long before the down's
-// blocks start, so the guess is almost always the final id; after the wait a warp reads the copy only for a slot
-// whose id is the guess.
-#ifndef TM_DOWN_ROUTED_COPIES
-#define TM_DOWN_ROUTED_COPIES 1
-#endif
-constexpr int kRoutedCopies = 2;  // slots per routed warp at top_k = 4 (slots j % 2 and j % 2 + 2)
-
-template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM, bool RC>
+template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
-  static_assert(SM || !RC, "the routed copies follow the shared ones");
-  // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies, then (RC)
-  // [kSplitRows routed warps][kRoutedCopies] row-pair copies
+  // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
   extern __shared__ __align__(16) float down_smem[];
-  __shared__ uint64_t rows_landed[kSplitRows * (RC ? 1 + kRoutedCopies : 1)];
+  __shared__ uint64_t rows_landed[kSplitRows];
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -448,34 +423,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   auto row_copy = [&]() {
     return reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) + warp * sh.row_bytes;
   };
-  // (RC) routed copy c of routed warp j and its barrier
-  auto pair_copy = [&](int j, int c) {
-    return reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) + kSplitRows * sh.row_bytes +
-           (j * kRoutedCopies + c) * 2 * rt.row_bytes;
-  };
-  auto pair_landed = [&](int j, int c) { return &rows_landed[kSplitRows + j * kRoutedCopies + c]; };
-  int32_t guess[kRoutedCopies];  // (RC, lane 0) the expert id copy c holds, -1 for none
   if constexpr (SM) {  // the shared expert's rows are known up front
     if (shared_warp && r0 + warp < sh.hidden && lane == 0)
       bulk_row_to_smem(row_copy(), sh.w_down + (r0 + warp) * sh.row_bytes, static_cast<uint32_t>(sh.row_bytes),
                        &rows_landed[warp]);
-    if constexpr (RC) {
-      const int j = warp - kSplitRows;
-      const int64_t ra = r0 + 2 * (j >> 1);
-#pragma unroll
-      for (int c = 0; c < kRoutedCopies; ++c) {
-        const int64_t s = (j & 1) + 2 * c;
-        guess[c] = -1;
-        if (!shared_warp && lane == 0 && ra < rt.hidden && s < rt.top_k) {
-          const int32_t e = peek_before_wait(rt.ids + t * rt.top_k + s);
-          if (e >= 0 && e < rt.n_experts) {
-            guess[c] = e;
-            bulk_row_to_smem(pair_copy(j, c), rt.w_down + (e * rt.hidden + ra) * rt.row_bytes,
-                             static_cast<uint32_t>(2 * rt.row_bytes), pair_landed(j, c));
-          }
-        }
-      }
-    }
   } else if (shared_warp && r0 + warp < sh.hidden && t == 0) {
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   }
@@ -499,24 +450,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     const int j = warp - kSplitRows, pair = 2 * (j >> 1);  // the pair's first row, relative to r0
     const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
     if (ra < rt.hidden) {
-      int64_t s = j & 1;
-      if constexpr (RC) {
-        __syncwarp();  // lane 0's barrier inits before the other lanes poll them
-#pragma unroll
-        for (int c = 0; c < kRoutedCopies; ++c, s += 2) {
-          const int32_t g = __shfl_sync(kFullMask, guess[c], 0);
-          if (g >= 0) bulk_wait(pair_landed(j, c));  // also when the id moved: no copy may outlive the block
-          if (s < rt.top_k) {
-            float d[2][1], w_eff;
-            down_row_pair<FR, VR, true>(rt, t, ra, rb, s, d, w_eff, g, pair_copy(j, c));
-            if (lane == 0) {
-              s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
-              if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
-            }
-          }
-        }
-      }
-      for (; s < rt.top_k; s += 2) {
+      for (int64_t s = j & 1; s < rt.top_k; s += 2) {
         float d[2][1], w_eff;
         down_row_pair<FR, VR>(rt, t, ra, rb, s, d, w_eff);
         if (lane == 0) {
@@ -732,16 +666,9 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
         };
         if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
           const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
-          if constexpr (fmt_tiled(FR) && TM_DOWN_ROUTED_COPIES) {
-            // a routed pair starts (e * hidden + even row) * row_bytes into w_down: 16-byte aligned as the copy
-            // engine needs when hidden is even and a pair's bytes are a multiple of 16
-            const int64_t smem_rc = smem_rows + kSplitRows * kRoutedCopies * 2 * rt.row_bytes;
-            if (hidden % 2 == 0 && (2 * rt.row_bytes) % 16 == 0 && aligned(w_down, 16) && smem_rc <= lim.smem_block)
-              return run(experts_down_kernel<FS, VS, FR, VR, true, true>, smem_rc);
-          }
-          if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true, false>, smem_rows);
+          if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
         }
-        return run(experts_down_kernel<FS, VS, FR, VR, false, false>, smem);
+        return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);
       } else {
         return two_launches();
       }
