@@ -16,7 +16,7 @@
 # PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
-# under each setting, e.g. `carve44:TORNADO_MOE_SMEM_CARVEOUT=44`);
+# under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail

@@ -33,3 +33,18 @@ def default_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     dst = tmp_path_factory.mktemp("default") / "smollm2-moe.gguf"
     return convert_dense_to_moe(smollm2_source_path(), dst, progress=False)
+
+
+def write_late(dst: torch.Tensor, value: int) -> None:
+    """Writes `value` into the int32 word `dst` from a kernel that outlasts the start of the next one: an
+    argmax over ~16 MB of logits, which triggers its dependents at its start and writes at its end. The kernel
+    launched right after it starts under PDL while dst still holds its old value (the predecessor tests)."""
+    vocab = 1 << 22
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=dst.device)
+    logits[0, value] = 1.0
+    if dst.is_cuda:
+        torch.cuda.synchronize()  # the logits' fill done: nothing but the argmax before the kernel under test
+    from tornado_moe import kernels as K
+
+    K.argmax(logits, dst, 1, vocab)
+

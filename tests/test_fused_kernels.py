@@ -18,7 +18,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params
+from conftest import device_params, write_late
 
 from tornado_moe import kernels as K
 
@@ -105,9 +105,6 @@ def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
     x, norm_w = randn(rng, (n_tokens, hidden), device, 2.0), randn(rng, (hidden,), device)
     ws = [ref.make_weights(rng, (n * hd, hidden), qtype, 0.2)[0].to(device) for n in (n_heads, n_kv, n_kv)]
     bs = [randn(rng, (n * hd,), device) for n in (n_heads, n_kv, n_kv)]
-    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts qkv_rope's start
-    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
-    logits[0, new_pos] = 1.0
 
     def run(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = poisoned((n_tokens, n_heads * hd), device)
@@ -118,9 +115,7 @@ def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
 
     expected = run(torch.tensor([new_pos], dtype=torch.int32, device=device))
     pos = torch.zeros(1, dtype=torch.int32, device=device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    K.argmax(logits, pos, 1, vocab)  # pos = 5, written at the argmax's end
+    write_late(pos, new_pos)
     got = run(pos)
     assert int(pos.item()) == new_pos
     for g, e in zip(got, expected, strict=True):
@@ -371,13 +366,8 @@ def test_experts_down_reads_expert_ids_its_predecessor_writes(device: str, slot:
 
     expected, stale = down(new_ids, x0.clone()), down(old_ids, x0.clone())
     assert not torch.equal(expected, stale)  # the moved id changes the result
-    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts the down's start
-    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
-    logits[0, new_id] = 1.0
     ids, x = old_ids.clone(), x0.clone()  # nothing launched between the argmax and the down
-    if device == "cuda":
-        torch.cuda.synchronize()
-    K.argmax(logits, ids.view(-1)[slot : slot + 1], 1, vocab)  # ids[0, slot] = new_id, at the argmax's end
+    write_late(ids.view(-1)[slot : slot + 1], new_id)
     got = down(ids, x)
     assert torch.equal(ids, new_ids)
     assert torch.equal(got, expected)

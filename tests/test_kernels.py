@@ -19,7 +19,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params
+from conftest import device_params, write_late
 
 from tornado_moe import kernels as K
 from tornado_moe.native import NativeLibraryNotFoundError, library_path
@@ -242,7 +242,6 @@ def test_attention(device: str, shape: tuple[int, ...]) -> None:
     assert ref.rel_err(out, ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < TOL_ATTENTION
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
     """attention's blocks start under PDL while the kernel before it runs, and before pdl_wait they prefetch
@@ -262,16 +261,12 @@ def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
 
     expected, stale = run(int32([new_pos], device)), run(int32([0], device))
     assert not torch.equal(expected, stale)
-    vocab = 1 << 22  # ~16 MB of logits: the argmax outlasts the attention's start
-    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
-    logits[0, new_pos] = 1.0
     pos, out = int32([0], device), poisoned((1, n_heads, head_dim), device)  # nothing launched in between
-    if device == "cuda":
-        torch.cuda.synchronize()
-    K.argmax(logits, pos, 1, vocab)  # pos = new_pos, written at the argmax's end
+    write_late(pos, new_pos)
     K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx)
     assert int(pos.item()) == new_pos
     assert torch.equal(out, expected)
+
 
 # ---- router ------------------------------------------------------------------------------------------------
 

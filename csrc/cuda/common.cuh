@@ -45,18 +45,12 @@ struct Limits {
   int64_t max_grid_yz;  // blocks in y (and z) per launch: min(65535, device y/z limits, test cap)
   int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
   bool pdl;             // launch with programmatic dependent launch (TORNADO_MOE_PDL=0 turns it off)
-  int carveout;         // shared-memory carveout every kernel asks for, percent (-1: the driver's choice)
 };
 int get_limits(Limits* out);
 
 // Raises the dynamic shared-memory limit of `func` to `bytes` when that is above the 48 KB default (cached per
 // device and kernel, so the attribute call happens once; it is legal during stream capture).
 int ensure_dynamic_smem(const void* func, int64_t bytes, const char* kernel);
-
-// Sets the preferred shared-memory carveout of `func` to `percent` once per device and kernel (launch() calls it
-// when Limits::carveout is set). An SM holds blocks of one L1/shared split at a time, so kernels that differ in
-// it cannot overlap on an SM under PDL; one value for all of them removes that boundary.
-int ensure_carveout(const void* func, int percent, const char* kernel);
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
@@ -66,7 +60,6 @@ inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 template <typename... KArgs, typename... Args>
 int launch(const Limits& lim, const char* fn, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
            cudaStream_t stream, Args&&... args) {
-  if (lim.carveout >= 0) TM_TRY(ensure_carveout(reinterpret_cast<const void*>(kernel), lim.carveout, fn));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

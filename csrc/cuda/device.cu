@@ -70,11 +70,6 @@ struct SmemOptIn {
 };
 std::mutex g_smem_mutex;
 std::vector<SmemOptIn> g_smem_optins;
-struct Carveout {
-  const void* func;
-  int device;
-};
-std::vector<Carveout> g_carveouts;  // kernels whose carveout is set (under g_smem_mutex)
 
 }  // namespace
 
@@ -102,14 +97,6 @@ int get_limits(Limits* out) {
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
   out->pdl = pdl;
-  // Read once per process: TORNADO_MOE_SMEM_CARVEOUT=<percent> asks every kernel for that carveout.
-  static const int carveout = [] {
-    const char* v = std::getenv("TORNADO_MOE_SMEM_CARVEOUT");
-    if (v == nullptr || *v == '\0') return -1;
-    const int p = std::atoi(v);
-    return p < 0 ? -1 : (p > 100 ? 100 : p);
-  }();
-  out->carveout = carveout;
   return TM_OK;
 }
 
@@ -130,17 +117,6 @@ int ensure_dynamic_smem(const void* func, int64_t bytes, const char* kernel) {
   TM_CUDA_TRY(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
               kernel);
   g_smem_optins.push_back(SmemOptIn{func, device, bytes});
-  return TM_OK;
-}
-
-int ensure_carveout(const void* func, int percent, const char* kernel) {
-  int device = 0;
-  TM_CUDA_TRY(cudaGetDevice(&device), kernel);
-  std::lock_guard<std::mutex> lock(g_smem_mutex);
-  for (const Carveout& c : g_carveouts)
-    if (c.func == func && c.device == device) return TM_OK;
-  TM_CUDA_TRY(cudaFuncSetAttribute(func, cudaFuncAttributePreferredSharedMemoryCarveout, percent), kernel);
-  g_carveouts.push_back(Carveout{func, device});
   return TM_OK;
 }
 

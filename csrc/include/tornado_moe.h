@@ -20,8 +20,7 @@
  *    contraction), in the order documented below.
  *  - CUDA launches use programmatic dependent launch (a kernel may start while its predecessor drains; it reads
  *    nothing the predecessor writes before the dependency is resolved), which never changes a result;
- *    TORNADO_MOE_PDL=0 in the environment turns it off. TORNADO_MOE_SMEM_CARVEOUT=<percent> asks every kernel
- *    for one shared-memory carveout (a measurement knob; unset, the driver's choice, measured fastest).
+ *    TORNADO_MOE_PDL=0 in the environment turns it off.
  *  - Launch limits (CUDA): grid y/z never exceed 65535 and dynamic shared memory never exceeds the device's
  *    opt-in limit (read from the device); large problems are split into several launches or loops.
  *  - Positions: kernels that depend on the position read it from `pos` (device memory for CUDA), so that a
