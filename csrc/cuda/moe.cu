@@ -435,7 +435,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     const int64_t r = r0 + warp;
     if (r < sh.hidden) {
       float gate = 1.0f;
+#ifdef TM_DOWN_GATE_PROBE  // timing probe (lesson 42 b): one float read after the wait instead of the gate's dot
+      if (gate_mode != kGateNone) gate = __ldcg(h + t * sh.hidden);
+#else
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
+#endif
       float d[1][1], w_eff[1];
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
