@@ -247,7 +247,7 @@ int main() {
   const int64_t cb = 24510464;
   const uint64_t want = host_sum(host, 4096, cb);
   for (const NamedReader& r : readers) {
-    CHECK(cudaMemset(dsum, 0, 8));
+    CHECK(cudaMemsetAsync(dsum, 0, 8, st));  // on the readers' stream (a non-blocking one)
     r.read(pool + 4096, cb, dsum, st);
     CHECK(cudaStreamSynchronize(st));
     unsigned long long got = 0;
