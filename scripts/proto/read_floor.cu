@@ -220,8 +220,6 @@ int main() {
   CHECK(cudaMalloc(&pool, kPool));
   fill<<<g_sms * 8, 256>>>(reinterpret_cast<uint32_t*>(pool), kPool / 4);
   CHECK(cudaDeviceSynchronize());
-  std::vector<uint32_t> host(kPool / 4);
-  CHECK(cudaMemcpy(host.data(), pool, kPool, cudaMemcpyDeviceToHost));
   unsigned long long* dsum;
   CHECK(cudaMalloc(&dsum, 8));
   cudaStream_t st;
@@ -243,7 +241,9 @@ int main() {
                                       ld_reader<8>(4),          ld_reader<8>(8),          ld_reader<16>(2),
                                       bulk_reader<8, 16384>(1), bulk_reader<6, 16384>(2), bulk_reader<4, 32768>(1),
                                       bulk_reader<12, 8192>(2)};
-  // Checksums first: every reader over one region must give the host's sum.
+  // Checksums first (on the pool as the copies above left it): every reader must give the host's sum.
+  std::vector<uint32_t> host(kPool / 4);
+  CHECK(cudaMemcpy(host.data(), pool, kPool, cudaMemcpyDeviceToHost));
   const int64_t cb = 24510464;
   const uint64_t want = host_sum(host, 4096, cb);
   for (const NamedReader& r : readers) {
