@@ -13,6 +13,7 @@ engine uploads on CUDA). The last entry is a whole fused layer, its five launche
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -48,6 +49,9 @@ def q8_0(rows: int, cols: int, copies: int = 1) -> torch.Tensor:
     return w
 
 
+# Whether the kernels take the shared-expert gate from the router (v4q): a baseline tree's kernels may not.
+GATE_SH = hasattr(K, "experts_down_accumulate") and (
+    "gate_sh" in inspect.signature(K.experts_down_accumulate).parameters)
 HOT_L2 = False  # --hot-l2: one copy of every weight and fixed experts, so weights stay in L2 between launches
 
 
@@ -126,6 +130,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
     act_sh = torch.randn(1, SFFN, **f32) * 0.1
     act = torch.randn(1, TOPK, FFN, **f32) * 0.1
     gate_inp = 0.02 * torch.randn(H, **f32)
+    gate_sh = torch.rand(1, **f32)
 
     def shared_gate_up() -> Callable[[int], None]:
         n = copies_for(2 * SFFN * rb)
@@ -160,9 +165,10 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
             # other inputs, other experts: rows from DRAM
             xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]
             scratch = torch.zeros(K.router_gate_up_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            gate = (gate_inp, gate_sh) if GATE_SH else ()  # the router blocks compute the shared gate (v4q)
             return lambda i: K.router_experts_gate_up(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
-                wg, wu, act, 1, E, H, TOPK, False, FFN, scratch)
+                *gate, wg, wu, act, 1, E, H, TOPK, False, FFN, scratch)
         out.append(("router_experts_gate_up (router + shared + 4 of 60)",
                     E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb, router_experts_gate_up))
 
@@ -184,7 +190,8 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         def experts_down() -> Callable[[int], None]:
             n = copies_for(H * SFFN // 32 * 34)
             sd, wd = q8_0(H, SFFN, n), q8_0(E * H, FFN)[0]
-            return lambda i: K.experts_down_accumulate(QT, sd[i % n], act_sh, gate_inp, SFFN, wd, act,
+            gate = (None, gate_sh) if GATE_SH else (gate_inp,)  # the gate as the router wrote it (v4q on)
+            return lambda i: K.experts_down_accumulate(QT, sd[i % n], act_sh, *gate, SFFN, wd, act,
                                                        ids_rot[i % 64], wts, h, x, 1, TOPK, E, H, FFN)
         out.append(("experts_down_accumulate (shared + 4 of 60)", H * (SFFN + TOPK * FFN) // 32 * 34,
                     experts_down))

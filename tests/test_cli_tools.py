@@ -178,7 +178,8 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
     gate_up = nbytes("ffn_gate_exps") + nbytes("ffn_up_exps")
     down = nbytes("ffn_down_exps")
     sh_gate_up = nbytes("ffn_gate_shexp") + nbytes("ffn_up_shexp")
-    sh_down = nbytes("ffn_down_shexp") + tiny.tensor("blk.0.ffn_gate_inp_shexp.weight").nbytes  # + its gate
+    sh_gate = nbytes("ffn_gate_inp_shexp")  # read by the shared down, or by the fused router that computes it
+    sh_down = nbytes("ffn_down_shexp")
     # the fused attention input reads q, k, v, their F32 biases and the F32 norm weight
     qkv_bytes = sum(nbytes(f"attn_{n}") for n in "qkv") + 4 * cfg.hidden
     qkv_bytes += 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -205,7 +206,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         if fused:  # the router, the shared expert's gate-up and every slot's: one launch; one for the downs
             router = nbytes("ffn_gate_inp") + 4 * cfg.hidden  # F32 router rows and the F32 ffn_norm
             assert tasks[("layer0", "router_experts_gate_up")]["weight_bytes"] == pytest.approx(
-                router + sh_gate_up + gate_up * k / E)
+                router + sh_gate + sh_gate_up + gate_up * k / E)
             assert tasks[("layer0", "experts_down_accumulate")]["weight_bytes"] == pytest.approx(
                 sh_down + down * k / E)
         else:

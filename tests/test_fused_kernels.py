@@ -6,7 +6,8 @@ the shapes the small kernel tests do not reach.
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
 - ``router_experts_gate_up`` == rmsnorm_router_topk then experts_gate_up, bit for bit, and leaves its scratch
-  zero;
+  zero; the shared-expert gate it writes is the float64 sigmoid's, and the down that reads it gives the bits
+  of the down that computes it;
 - ``experts_down_accumulate`` == the shared expert's moe_down_accumulate then the routed one's, bit for bit;
 - rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
   reference, and the same bits whatever the alignment of the weights in memory.
@@ -220,7 +221,9 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
     """h, ids, weights and both activations equal rmsnorm_router_topk's then experts_gate_up's; calls back to
     back on one scratch, with the token count changing between them (each continues from the sync words the
     last one left: an epoch, a ticket count back at 0, arrival counters back at 0). f16 rows of an odd length:
-    the router's one-value-per-lane dot."""
+    the router's one-value-per-lane dot. The normalized runs also give the shared-expert gate row (one router
+    row more: with 64 experts a ninth router block), whose outputs must match the float64 sigmoid and be the
+    same bits in every call."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
@@ -241,6 +244,8 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
     w_router = buf[int(normalize):int(normalize) + n_experts * hidden].view(n_experts, hidden)
     w_router.copy_(randn(rng, (n_experts, hidden), device, 0.05))
 
+    gate_inp = randn(rng, (hidden,), device, 0.05) if normalize else None
+
     def outputs() -> list[torch.Tensor]:  # h, ids, weights, act_sh, act, poisoned
         ids = torch.full((n_tokens, top_k), -1, dtype=torch.int32, device=device)
         return [poisoned((n_tokens, hidden), device), ids, poisoned((n_tokens, top_k), device),
@@ -256,11 +261,18 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     fused = device == "cuda" and n_experts <= 64  # else the two calls, which leave the scratch alone
     calls = [n_tokens, 1, n_tokens] if n_tokens > 1 else [1, 1, 1]
+    gates = []
     for call, n in enumerate(calls):
         h, ids, wt, sh, act = got = outputs()
-        K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, g, u, act,
-                                 n, n_experts, hidden, top_k, normalize, ffn, scratch)
+        gate = poisoned((n_tokens,), device) if gate_inp is not None else None
+        K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, gate_inp,
+                                 gate, g, u, act, n, n_experts, hidden, top_k, normalize, ffn, scratch)
         assert all(torch.equal(a[:n], b[:n]) for a, b in zip(got, want, strict=True)), call
+        if gate is not None:
+            z = want[0][:n].double().cpu() @ gate_inp.double().cpu()
+            torch.testing.assert_close(gate[:n].double().cpu(), torch.sigmoid(z), rtol=0, atol=1e-6)
+            gates.append(gate[:n])
+            assert torch.equal(gate[:n], gates[0][:n]), call
         # (ticket count, epoch), then arrived and ids_ready in groups of 32 words
         assert scratch[:2].tolist() == [0, call + 1 if fused else 0], call
         assert not scratch[64:64 + n_tokens].any(), call  # arrival counters back at 0
@@ -277,8 +289,8 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
                         device=device)
     router = torch.zeros(n_experts, hidden, device=device)
     with pytest.raises(RuntimeError, match="scratch"):
-        K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, w, w, act, n_tokens,
-                                 n_experts, hidden, 2, False, 4, short)
+        K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, None, None, w, w, act,
+                                 n_tokens, n_experts, hidden, 2, False, 4, short)
     assert K.router_gate_up_scratch_words(33, 60) == 64 + 2 * 64 + 33 * 60  # sync groups of 32 words
 
 
@@ -326,12 +338,74 @@ def test_experts_down_is_shared_then_routed_bitwise(
         K.set_launch_limits_for_testing(smem_cap, 0)
         try:
             got = x0.clone()
-            K.experts_down_accumulate(qtype, wd_sh, act_sh, gate, ffn_sh, wd, act, ids, wts, h, got, n_tokens,
-                                      top_k, n_experts, hidden, ffn)
+            K.experts_down_accumulate(qtype, wd_sh, act_sh, gate, None, ffn_sh, wd, act, ids, wts, h, got,
+                                      n_tokens, top_k, n_experts, hidden, ffn)
         finally:
             K.set_launch_limits_for_testing(0, 0)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     assert bool(torch.isnan(want).any()) == bad and not torch.isnan(want[0]).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_tokens,n_experts", [(1, 60), (3, 8), (1, 70)])  # 70: the router's own launches
+def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: str, n_tokens: int,
+                                                                      n_experts: int) -> None:
+    """The decode chain: router_experts_gate_up writes the shared-expert gate factors and
+    experts_down_accumulate reads them (gate_sh) instead of computing sigmoid(gate_inp . h) in each block; x
+    must be the bits of the down given gate_inp and h, on the one-launch and the separate-launch (router,
+    gate, gate-up) paths. Tiled rows of a multiple of 256 values: the shared down's rows from shared memory,
+    as in the model."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    top_k, ffn_sh, ffn, hidden = 4, 512, 128, 256
+    rng = np.random.default_rng(31)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        return tile_q8_0(ref.make_weights(rng, shape, 8, 0.1)[0].to(device), shape[-1])
+
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    wd_sh, wd = weights((hidden, ffn_sh)), weights((n_experts, hidden, ffn))
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    w_router, gate_inp = randn(rng, (n_experts, hidden), device, 0.05), randn(rng, (hidden,), device, 0.05)
+    h, act_sh = poisoned((n_tokens, hidden), device), poisoned((n_tokens, ffn_sh), device)
+    act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
+    ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
+    wts = torch.zeros(n_tokens, top_k, device=device)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
+    K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
+                             gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
+                             scratch)
+    assert not torch.isnan(gate_sh).any() and not torch.isnan(act).any()
+    x0 = randn(rng, (n_tokens, hidden), device)
+    computed, read = x0.clone(), x0.clone()
+    K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate_inp, None, ffn_sh, wd, act, ids, wts, h,
+                              computed, n_tokens, top_k, n_experts, hidden, ffn)
+    K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, None, gate_sh, ffn_sh, wd, act, ids, wts, None,
+                              read, n_tokens, top_k, n_experts, hidden, ffn)
+    assert not torch.isnan(computed).any() and not torch.equal(computed, x0)
+    assert torch.equal(read, computed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_shared_gate_comes_from_one_place(device: str) -> None:
+    """The router's gate row and its output go together; the down takes its gate from gate_inp_sh or from
+    gate_sh, not both."""
+    n_tokens, n_experts, hidden = 1, 4, 32
+    w = torch.zeros(n_experts * 4, 34, dtype=torch.uint8, device=device)
+    x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
+    ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
+    act, gate = torch.zeros(1, 2, 4, device=device), torch.zeros(1, device=device)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
+    router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
+    with pytest.raises(RuntimeError, match="go together"):
+        K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, gate_inp, None, w, w,
+                                 act, n_tokens, n_experts, hidden, 2, False, 4, scratch)
+    with pytest.raises(RuntimeError, match="not both"):
+        K.experts_down_accumulate(8, w, act, gate_inp, gate, 4, w, act, ids, wt, h, x, n_tokens, 2, n_experts,
+                                  hidden, 4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -360,8 +434,8 @@ def test_experts_down_reads_expert_ids_its_predecessor_writes(device: str, slot:
     new_ids[0, slot] = new_id
 
     def down(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate, ffn_sh, wd, act, ids, wts, h, x, 1, top_k,
-                                  n_experts, hidden, ffn)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate, None, ffn_sh, wd, act, ids, wts, h, x, 1,
+                                  top_k, n_experts, hidden, ffn)
         return x
 
     expected, stale = down(new_ids, x0.clone()), down(old_ids, x0.clone())

@@ -56,7 +56,8 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,                \
                                      const float* w_router, int32_t* ids, float* weights, int qtype,        \
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh,             \
-                                     int64_t ffn_sh, const void* w_gate, const void* w_up, float* act,      \
+                                     int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,              \
+                                     const void* w_gate, const void* w_up, float* act,                      \
                                      int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,    \
                                      int normalize, int64_t ffn, int32_t* scratch, void* stream);           \
   int PREFIX##moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,         \
@@ -64,7 +65,8 @@ int tm_set_error(int status, const char* fmt, ...);
                                   int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,     \
                                   int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);              \
   int PREFIX##experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,                 \
-                                      const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,          \
+                                      const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,        \
+                                      const void* w_down,                                                    \
                                       const float* act, const int32_t* ids, const float* weights,            \
                                       const float* h, float* x, int64_t n_tokens, int64_t top_k,             \
                                       int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);         \

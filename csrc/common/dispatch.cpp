@@ -353,9 +353,10 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
-                                     const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
-                                     int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                     int32_t* scratch, void* stream) {
+                                     const float* gate_inp_sh, float* gate_sh, const void* w_gate,
+                                     const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
+                                     int64_t hidden, int64_t top_k, int normalize, int64_t ffn, int32_t* scratch,
+                                     void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
@@ -365,9 +366,11 @@ TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const flo
   TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, 0, top_k,
                             n_experts, "ffn", ffn, hidden));
   TM_TRY(check_ptr(fn, "scratch", scratch));
+  if ((gate_inp_sh == nullptr) != (gate_sh == nullptr))
+    return tm_set_error(kInvalid, "%s: 'gate_inp_sh' and 'gate_sh' go together (the gate row and its output)", fn);
   return TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
-                    w_up_sh, act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
-                    normalize ? 1 : 0, ffn, scratch, stream);
+                    w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
+                    top_k, normalize ? 1 : 0, ffn, scratch, stream);
 }
 
 TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,
@@ -383,19 +386,22 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
 }
 
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
-                                      const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
-                                      const float* act, const int32_t* ids, const float* weights, const float* h,
-                                      float* x, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden,
-                                      int64_t ffn, void* stream) {
+                                      const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
+                                      const void* w_down, const float* act, const int32_t* ids,
+                                      const float* weights, const float* h, float* x, int64_t n_tokens,
+                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_device(fn, device));
+  if (gate_inp_sh != nullptr && gate_sh != nullptr)
+    return tm_set_error(kInvalid, "%s: give the shared gate once: 'gate_inp_sh' (computed here) or 'gate_sh' "
+                        "(computed by tm_router_experts_gate_up), not both", fn);
   TM_TRY(check_down_args(fn, qtype, "w_down_sh", w_down_sh, "act_sh", act_sh, "gate_inp_sh", gate_inp_sh, h, x,
                          n_tokens, 1, 0, 1, 1, hidden, "ffn_sh", ffn_sh));
   TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
                          0, top_k, n_experts, hidden, "ffn", ffn));
   TM_TRY(check_ptr(fn, "ids", ids));
-  return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, ffn_sh, w_down, act, ids,
-                    weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
+  return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down,
+                    act, ids, weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
 }
 
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,

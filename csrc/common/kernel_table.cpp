@@ -104,14 +104,15 @@ const KernelRow kKernels[] = {
                                  i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"router_experts_gate_up", "ppfppppqpppipppiiiibip",
+    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibip",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_experts_gate_up(d, ptr<const float>(a[0]), ptr<const float>(a[1]), f32(a[2]),
                                         ptr<float>(a[3]), ptr<const float>(a[4]), ptr<int32_t>(a[5]),
                                         ptr<float>(a[6]), i32(a[7]), ptr<const void>(a[8]), ptr<const void>(a[9]),
-                                        ptr<float>(a[10]), i64(a[11]), ptr<const void>(a[12]),
-                                        ptr<const void>(a[13]), ptr<float>(a[14]), i64(a[15]), i64(a[16]),
-                                        i64(a[17]), i64(a[18]), i32(a[19]), i64(a[20]), ptr<int32_t>(a[21]), s);
+                                        ptr<float>(a[10]), i64(a[11]), ptr<const float>(a[12]), ptr<float>(a[13]),
+                                        ptr<const void>(a[14]), ptr<const void>(a[15]), ptr<float>(a[16]),
+                                        i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]), i32(a[21]), i64(a[22]),
+                                        ptr<int32_t>(a[23]), s);
      },
      0},
     {"moe_down_accumulate", "qppnnnnpiiiiiii",
@@ -122,13 +123,13 @@ const KernelRow kKernels[] = {
                                      i64(a[11]), i64(a[12]), i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"experts_down_accumulate", "qppnipppnnpiiiii",
+    {"experts_down_accumulate", "qppnnipppnnpiiiii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_experts_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),
-                                         ptr<const float>(a[3]), i64(a[4]), ptr<const void>(a[5]),
-                                         ptr<const float>(a[6]), ptr<const int32_t>(a[7]), ptr<const float>(a[8]),
-                                         ptr<const float>(a[9]), ptr<float>(a[10]), i64(a[11]), i64(a[12]),
-                                         i64(a[13]), i64(a[14]), i64(a[15]), s);
+                                         ptr<const float>(a[3]), ptr<const float>(a[4]), i64(a[5]),
+                                         ptr<const void>(a[6]), ptr<const float>(a[7]), ptr<const int32_t>(a[8]),
+                                         ptr<const float>(a[9]), ptr<const float>(a[10]), ptr<float>(a[11]),
+                                         i64(a[12]), i64(a[13]), i64(a[14]), i64(a[15]), i64(a[16]), s);
      },
      0},
     {"argmax", "ppii",

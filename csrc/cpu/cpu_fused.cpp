@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "backends.h"
+#include "cpu_math.h"
 
 extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
                                const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,
@@ -31,12 +32,15 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
                             stream);
 }
 
+// A given gate_sh enters as the shared call's slot weights: w_eff = gate_sh[t], the bits of the gated call's
+// 1 * sigmoid(z).
 extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
-                                              const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
-                                              const float* act, const int32_t* ids, const float* weights,
-                                              const float* h, float* x, int64_t n_tokens, int64_t top_k,
-                                              int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
-  TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down_sh, act_sh, nullptr, nullptr, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
+                                              const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
+                                              const void* w_down, const float* act, const int32_t* ids,
+                                              const float* weights, const float* h, float* x, int64_t n_tokens,
+                                              int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                                              void* stream) {
+  TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
                                     1, hidden, ffn_sh, stream));
   return tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
                                     n_experts, hidden, ffn, stream);
@@ -45,11 +49,14 @@ extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, 
 extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,
                                              const float* w_router, int32_t* ids, float* weights, int qtype,
                                              const void* w_gate_sh, const void* w_up_sh, float* act_sh,
-                                             int64_t ffn_sh, const void* w_gate, const void* w_up, float* act,
-                                             int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
-                                             int normalize, int64_t ffn, int32_t* /*scratch: unused*/, void* stream) {
+                                             int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
+                                             const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
+                                             int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                                             int64_t ffn, int32_t* /*scratch: unused*/, void* stream) {
   TM_TRY(tm_cpu_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                     normalize, stream));
+  if (gate_inp_sh != nullptr)
+    for (int64_t t = 0; t < n_tokens; ++t) gate_sh[t] = tm_cpu::shared_gate(gate_inp_sh, h + t * hidden, hidden);
   return tm_cpu_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                                 top_k, n_experts, ffn, hidden, stream);
 }

@@ -165,7 +165,7 @@ extern "C" int tm_cpu_moe_down_accumulate(int qtype, const void* w_down, const f
   // Effective slot weights, computed once per (t, s) with the shared gate.
   std::vector<float> w_eff(static_cast<size_t>(n_pairs));
   for (int64_t t = 0; t < n_tokens; ++t) {
-    const float gate = gate_inp != nullptr ? sigmoid(dot_f32(gate_inp, h + t * hidden, hidden)) : 1.0f;
+    const float gate = gate_inp != nullptr ? shared_gate(gate_inp, h + t * hidden, hidden) : 1.0f;
     for (int64_t s = 0; s < slot_count; ++s) {
       float w = weights != nullptr ? weights[t * top_k + slot_begin + s] : 1.0f;
       if (gate_inp != nullptr) w = w * gate;

@@ -31,6 +31,11 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
+// The qwen2moe shared-expert gate of one token: sigmoid(dot(gate_inp, h_t)).
+inline float shared_gate(const float* gate_inp, const float* ht, int64_t hidden) {
+  return sigmoid(dot_f32(gate_inp, ht, hidden));
+}
+
 // Below this many multiply-adds a kernel runs on the calling thread: waking the OpenMP team costs more.
 constexpr int64_t kParallelWork = 1 << 15;
 

@@ -130,6 +130,29 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
+// The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
+constexpr int kGateNone = -1;
+
+// sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot, whose bits depend only on the length: the
+// same bits in every block and kernel that computes it, with h_t in global or in shared memory).
+__device__ __forceinline__ float shared_gate(const float* gate_inp, const float* ht, int64_t hidden, int gate_mode) {
+  return sigmoid_f32(warp_dot_f32_row(gate_mode, gate_inp, ht, hidden));
+}
+
+// gate[t] = shared_gate(h[t]) by one warp a token: tm_router_experts_gate_up's gate output where it falls back to
+// separate launches.
+__global__ void __launch_bounds__(kRowsPerBlock * 32)
+    shared_gate_kernel(const float* __restrict__ gate_inp, const float* __restrict__ h, float* gate,
+                       int64_t n_tokens, int64_t hidden, int gate_mode) {
+  pdl_begin();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
+       t += stride) {
+    const float g = shared_gate(gate_inp, h + t * hidden, hidden, gate_mode);
+    if ((threadIdx.x & 31) == 0) gate[t] = g;
+  }
+}
+
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
 // Grid: n_tokens * router_blocks(n_experts) ticketed blocks, then the shared expert's gate-up blocks (by blockIdx),
 // then as many ticketed blocks as the routed gate-up has. A ticketed block's role is its ticket (an atomic counter
@@ -137,7 +160,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 // gate-up blocks, and a routed block waits only for router blocks, which hold lower tickets and so are running
 // already: the grid progresses in whatever order the blocks start.
 //   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
-//     also stores it to h); warp w computes the logit of expert 8 j + w into the scratch; the last of the token's
+//     also stores it to h); warp w computes the logit of expert 8 j + w into the scratch (with a shared-expert
+//     gate row, "expert" n_experts is that row: gate[t] = shared_gate(h), read by the down after this launch, so
+//     the down's 2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 775.0 -> 788.1 tok/s
+//     measured with the down reading one float, results/NOTES.md v4q); the last of the token's
 //     router blocks to arrive (an integer counter) runs router_topk_warp on the logits, writes ids/weights and
 //     raises ids_ready[t]. The same functions as router_kernel: the same bits.
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
@@ -159,7 +185,14 @@ struct RouterArgs {
   float* weights;
   int64_t n_experts, top_k;
   int normalize;
+  const float* gate_inp;  // the shared expert's gate row, or nullptr
+  float* gate;            // [n_tokens] gate outputs (with gate_inp)
+  int gate_mode;
 };
+// Router rows a token computes: the experts' logits, then the shared-expert gate's row if any.
+__host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* gate_inp) {
+  return n_experts + (gate_inp != nullptr ? 1 : 0);
+}
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
 // 64 bits), then per token arrived and ids_ready, each group on 128-byte lines of its own (the flag pollers then
@@ -175,8 +208,8 @@ __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_t
   return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group,
                     reinterpret_cast<float*>(flags + 2 * group)};
 }
-__host__ __device__ inline int64_t router_blocks_per_token(int64_t n_experts) {
-  return ceil_div(n_experts, kRowsPerBlock);
+__host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
+  return ceil_div(rows, kRowsPerBlock);
 }
 // Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks.
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
@@ -193,14 +226,23 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
   block_rmsnorm(ra.x + t * hidden, ra.norm_w, hidden, ra.eps, hbuf, j == 0 ? h + t * hidden : nullptr, norm);
   const int64_t e = j * kRowsPerBlock + warp;
-  if (e < ra.n_experts) {
-    const float v = warp_dot_f32_row(mode, ra.w_router + e * hidden, hbuf, hidden);
-    if (lane == 0) logits[e] = v;
+  // One dot call for both kinds of row, the gate's value being shared_gate's (sigmoid of the same dot): with a
+  // second call the tiled kernel spilled 24/104 bytes (12/68 before the gate row), with one it spills none.
+  const bool gate_row = e == ra.n_experts && ra.gate_inp != nullptr;
+  if (e < ra.n_experts || gate_row) {
+    const float* row = gate_row ? ra.gate_inp : ra.w_router + e * hidden;
+    const float v = warp_dot_f32_row(gate_row ? ra.gate_mode : mode, row, hbuf, hidden);
+    if (lane == 0) {
+      if (gate_row)
+        ra.gate[t] = sigmoid_f32(v);
+      else
+        logits[e] = v;
+    }
   }
   __syncthreads();
   // Release of this block's logits (and of block 0's h) and, for the last to arrive, acquire of every other's.
   if (threadIdx.x == 0) {
-    s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(ra.n_experts) - 1;
+    s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(router_rows(ra.n_experts, ra.gate_inp)) - 1;
     if (s_last) sy.arrived[t] = 0;  // every other arrival of this call is in: the counter for the next one
   }
   __syncthreads();
@@ -221,12 +263,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket, s_raised;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(ra.n_experts));
+  const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(router_rows(ra.n_experts, ra.gate_inp)));
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
+    else if (e == ra.n_experts && ra.gate_inp != nullptr) prefetch_row_l2(ra.gate_inp, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
   pdl_begin();
@@ -256,9 +299,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   block_wait_flag(sy.ids_ready + p.pair / static_cast<uint32_t>(rt.slot_count), raised);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
 }
-
-// The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
-constexpr int kGateNone = -1;
 
 struct DownArgs {
   const uint8_t* w_down;
@@ -315,11 +355,6 @@ __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&&
     s += 2;
   }
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
-}
-
-// sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot: the same bits in every block).
-__device__ __forceinline__ float shared_gate(const float* gate_inp, const float* ht, int64_t hidden, int gate_mode) {
-  return sigmoid_f32(warp_dot_f32_row(gate_mode, gate_inp, ht, hidden));
 }
 
 template <Fmt F, bool V>
@@ -435,11 +470,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     const int64_t r = r0 + warp;
     if (r < sh.hidden) {
       float gate = 1.0f;
-#ifdef TM_DOWN_GATE_PROBE  // timing probe (lesson 42 b): one float read after the wait instead of the gate's dot
-      if (gate_mode != kGateNone) gate = __ldcg(h + t * sh.hidden);
-#else
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
-#endif
       float d[1][1], w_eff[1];
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
@@ -629,16 +660,20 @@ extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const 
 }
 
 extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
-                                               const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
-                                               const float* act, const int32_t* ids, const float* weights,
-                                               const float* h, float* x, int64_t n_tokens, int64_t top_k,
-                                               int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+                                               const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
+                                               const void* w_down, const float* act, const int32_t* ids,
+                                               const float* weights, const float* h, float* x, int64_t n_tokens,
+                                               int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                                               void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "gate_sh", gate_sh));
   DownArgs sh, rt;
   int gate_mode, no_gate;
   bool vs, vr;
-  TM_TRY(down_args(fn, qtype, w_down_sh, act_sh, nullptr, nullptr, gate_inp_sh, h, 1, 1, hidden, ffn_sh, &sh,
+  // A given gate_sh is the shared term's slot weight: w_eff = gate_sh[t], the bits of the gated path's
+  // 1 * sigmoid(z) (down_dots), with one float read instead of the gate's dot in every shared warp.
+  TM_TRY(down_args(fn, qtype, w_down_sh, act_sh, nullptr, gate_sh, gate_inp_sh, h, 1, 1, hidden, ffn_sh, &sh,
                    &gate_mode, &vs));
   TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, nullptr, nullptr, top_k, n_experts, hidden, ffn, &rt,
                    &no_gate, &vr));
@@ -683,12 +718,14 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
 extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,
                                               const float* w_router, int32_t* ids, float* weights, int qtype,
                                               const void* w_gate_sh, const void* w_up_sh, float* act_sh,
-                                              int64_t ffn_sh, const void* w_gate, const void* w_up, float* act,
-                                              int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
-                                              int normalize, int64_t ffn, int32_t* scratch, void* stream) {
+                                              int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
+                                              const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
+                                              int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                                              int64_t ffn, int32_t* scratch, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w},
-                                {"w_router", w_router}, {"weights", weights}})
+                                {"w_router", w_router}, {"weights", weights}, {"gate_inp_sh", gate_inp_sh},
+                                {"gate_sh", gate_sh}})
     TM_TRY(check_f32_alignment(fn, name, p));
   if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
@@ -699,17 +736,26 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   Limits lim;
   TM_TRY(get_limits(&lim));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
-  const int64_t total = n_tokens * (router_blocks_per_token(n_experts) + ceil_div(ffn_sh, kRowsPerBlock) +
-                                    top_k * ceil_div(ffn, kRowsPerBlock));
-  // More experts than one warp ranks, or a grid beyond the limits: the two launches this one stands for.
+  const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
+                                    ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
+  // More experts than one warp ranks, or a grid beyond the limits: the launches this one stands for.
   if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
+    if (gate_inp_sh != nullptr) {
+      const int64_t blocks = ceil_div(n_tokens, kRowsPerBlock);
+      TM_TRY(launch(lim, fn, shared_gate_kernel,
+                    dim3(static_cast<unsigned>(blocks < lim.max_grid_x ? blocks : lim.max_grid_x)),
+                    dim3(kRowsPerBlock * 32), 0, as_stream(stream), gate_inp_sh, h, gate_sh, n_tokens, hidden,
+                    f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
+    }
     return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                                    top_k, n_experts, ffn, hidden, stream);
   }
-  const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize};
-  const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));  // h sits in shared memory, as in router.cu
+  // h sits in shared memory, as in router.cu: the rows' alignment alone picks the vector loads (not the bits)
+  const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize, gate_inp_sh, gate_sh,
+                      f32_row_mode(hidden, aligned(gate_inp_sh, 16))};
+  const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);

@@ -196,10 +196,15 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
  * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, or
  * where the grid would exceed the device's limits, CUDA makes the two calls above instead (the same bits; the
- * scratch is not touched). The CPU always does. */
+ * scratch is not touched). The CPU always does.
+ * gate_inp_sh (nullable, float32 [hidden]): the shared expert's gate row; then gate_sh (float32 [n_tokens]) gets
+ * gate_sh[t] = sigmoid(dot(gate_inp_sh, h[t, :])), the factor tm_moe_down_accumulate would compute from
+ * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every
+ * block. gate_sh must be given exactly when gate_inp_sh is. */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
+                                     const float* gate_inp_sh, float* gate_sh,
                                      const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                      int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
                                      int32_t* scratch, void* stream);
@@ -222,9 +227,13 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  *   tm_moe_down_accumulate(w_down, act, ids, weights, NULL, NULL, x, n_tokens, top_k, 0, top_k, n_experts, hidden,
  *                          ffn)
  * (x = ((x + shared) + w_0 y_0) + ..., the order of the two calls). w_down_sh [hidden, ffn_sh], act_sh
- * [T, ffn_sh], gate_inp_sh nullable (then h may be NULL); the routed arguments as tm_moe_down_accumulate's. */
+ * [T, ffn_sh]; the routed arguments as tm_moe_down_accumulate's. The shared term's gate, at most one of:
+ * gate_inp_sh (float32 [hidden]: sigmoid(dot(gate_inp_sh, h[t, :])) computed here, h then required), or gate_sh
+ * (float32 [n_tokens]: those factors as tm_router_experts_gate_up wrote them; h may then be NULL); neither: no
+ * gate. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
-                                      const float* gate_inp_sh, int64_t ffn_sh, const void* w_down,
+                                      const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
+                                      const void* w_down,
                                       const float* act, const int32_t* ids, const float* weights, const float* h,
                                       float* x, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden,
                                       int64_t ffn, void* stream);

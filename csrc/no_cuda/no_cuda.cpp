@@ -52,13 +52,14 @@ int tm_cuda_experts_gate_up(int, const void*, const void*, float*, int64_t, cons
   return no_cuda("tm_experts_gate_up");
 }
 int tm_cuda_router_experts_gate_up(const float*, const float*, float, float*, const float*, int32_t*, float*, int,
-                                   const void*, const void*, float*, int64_t, const void*, const void*, float*,
-                                   int64_t, int64_t, int64_t, int64_t, int, int64_t, int32_t*, void*) {
+                                   const void*, const void*, float*, int64_t, const float*, float*, const void*,
+                                   const void*, float*, int64_t, int64_t, int64_t, int64_t, int, int64_t, int32_t*,
+                                   void*) {
   return no_cuda("tm_router_experts_gate_up");
 }
-int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, int64_t, const void*, const float*,
-                                    const int32_t*, const float*, const float*, float*, int64_t, int64_t, int64_t,
-                                    int64_t, int64_t, void*) {
+int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, const float*, int64_t, const void*,
+                                    const float*, const int32_t*, const float*, const float*, float*, int64_t,
+                                    int64_t, int64_t, int64_t, int64_t, void*) {
   return no_cuda("tm_experts_down_accumulate");
 }
 int tm_cuda_moe_down_accumulate(int, const void*, const float*, const int32_t*, const float*, const float*,

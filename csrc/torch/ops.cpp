@@ -300,20 +300,23 @@ void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_
 
 void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
                             const Tensor& ids, const Tensor& weights, int64_t qtype, const Tensor& w_gate_sh,
-                            const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh, const Tensor& w_gate,
-                            const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
+                            const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh, const OptTensor& gate_inp_sh,
+                            const OptTensor& gate_sh, const Tensor& w_gate, const Tensor& w_up, const Tensor& act,
+                            int64_t n_tokens, int64_t n_experts,
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
                             int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
   const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
                                                    n_tokens, top_k, n_experts, ffn, hidden);
+  const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
+  float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
                                     r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
-                                    g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
-                                    ffn, sc_p, as_stream(stream)));
+                                    gi_p, gs_p, g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k,
+                                    normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
 }
 
 int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
@@ -338,13 +341,14 @@ void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act,
 }
 
 void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tensor& act_sh, const OptTensor& gate_inp_sh,
-                             int64_t ffn_sh, const Tensor& w_down, const Tensor& act, const Tensor& ids,
+                             const OptTensor& gate_sh, int64_t ffn_sh, const Tensor& w_down, const Tensor& act, const Tensor& ids,
                              const OptTensor& weights, const OptTensor& h, const Tensor& x, int64_t n_tokens,
                              int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
   Args a("tornado_moe.experts_down_accumulate");
   const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
+  const float* gs_p = a.optional<const float>(gate_sh, "gate_sh", kF32, n_tokens);
   const void* w_p = a.weights(w_down, "w_down", qtype, n_experts * hidden * row_bytes(qtype, ffn));
   const float* act_p = a.data<const float>(act, "act", kF32, n_tokens * top_k * ffn);
   const int32_t* ids_p = a.data<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
@@ -352,8 +356,8 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
   const float* h_p = a.optional<const float>(h, "h", kF32, n_tokens * hidden);
   float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, ffn_sh, w_p, act_p,
-                                     ids_p, wt_p, h_p, x_p, n_tokens, top_k, n_experts, hidden, ffn,
+  a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, gs_p, ffn_sh, w_p,
+                                     act_p, ids_p, wt_p, h_p, x_p, n_tokens, top_k, n_experts, hidden, ffn,
                                      as_stream(stream)));
 }
 
@@ -436,13 +440,13 @@ TORCH_LIBRARY(tornado_moe, m) {
         "int hidden, int stream) -> ()");
   m.def("router_experts_gate_up(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
         "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
-        "Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, int n_experts, int hidden, int top_k, "
-        "bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
+        "Tensor? gate_inp_sh, Tensor(g!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, "
+        "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
-  m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, int ffn_sh, "
-        "Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, int top_k, "
+  m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, Tensor? gate_sh, "
+        "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, int top_k, "
         "int n_experts, int hidden, int ffn, int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "

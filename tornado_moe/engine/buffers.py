@@ -77,6 +77,8 @@ class Activations:
         self.act = torch.zeros(T, k, max(cfg.expert_ffn, 1), **f32)
         ffn_dense = cfg.shared_ffn or cfg.dense_ffn
         self.act_dense = torch.zeros(T, max(ffn_dense, 1), **f32)
+        # the shared-expert gate factors, written by router_experts_gate_up for experts_down_accumulate
+        self.shared_gate = torch.zeros(T, **f32)
         self.logits = torch.zeros(T, cfg.vocab, **f32)
         self.tokens = torch.zeros(T, **i32)
         self.position = torch.zeros(1, **i32)

@@ -145,15 +145,19 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                      for name, _, s0, n in shapes]
         downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
                    s0, n, E, H, ffn) for _, name, s0, n in shapes]
-        # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch.
-        if fuse_experts and cfg.shared_ffn and s_qt == qt:
+        # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch, whose
+        # router blocks also compute the shared expert's gate (gate_sh) for the fused down to read.
+        fuse_router = fuse_experts and cfg.shared_ffn and s_qt == qt
+        gate_sh = act.shared_gate[:T] if fuse_router and s_gate is not None else None
+        if fuse_router:
             router_task = None
             gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_io, qt, sg.data,
-                         su.data, act.act_dense, dffn, wg.data, wu.data, act.act, T, E, H, k,
+                         su.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, act.act, T, E, H, k,
                          cfg.normalize_topk, ffn, act.router_scratch)]
         if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:
+            gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
-                      s_gate, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
+                      gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
     for task in ([router_task] if router_task else []) + gate_ups + downs:
         g.task(*task)
     return g.snapshot()

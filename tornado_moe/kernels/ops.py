@@ -69,12 +69,13 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "experts_gate_up": ("qtype", "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "h", "ids",
                         "act", "n_tokens", "top_k", "n_experts", "ffn", "hidden"),
     "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
-                               "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "act",
-                               "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn", "scratch"),
+                               "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
+                               "w_up", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn",
+                               "scratch"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
-    "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "ffn_sh", "w_down", "act",
-                                "ids", "weights", "h", "x", "n_tokens", "top_k", "n_experts", "hidden",
+    "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
+                                "act", "ids", "weights", "h", "x", "n_tokens", "top_k", "n_experts", "hidden",
                                 "ffn"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
@@ -311,6 +312,8 @@ def router_experts_gate_up(
     w_up_sh: torch.Tensor,
     act_sh: torch.Tensor,
     ffn_sh: int,
+    gate_inp_sh: torch.Tensor | None,
+    gate_sh: torch.Tensor | None,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     act: torch.Tensor,
@@ -326,10 +329,12 @@ def router_experts_gate_up(
     stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
     elements, zero before the first call (each call leaves the synchronisation words for the next to continue
     from, whatever its token count; the rest holds the router logits); calls sharing it must not overlap, and
-    nothing else may write it."""
+    nothing else may write it. With the shared expert's gate row ``gate_inp_sh`` it also writes
+    ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32 [n_tokens]), the factor experts_down_accumulate then
+    reads instead of computing it in each of its blocks."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
-                                  act_sh, ffn_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
-                                  normalize, ffn, scratch, stream_of(act))
+                                  act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
+                                  n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(act))
 
 
 def router_gate_up_scratch_words(n_tokens: int, n_experts: int) -> int:
@@ -379,6 +384,7 @@ def experts_down_accumulate(
     w_down_sh: torch.Tensor,
     act_sh: torch.Tensor,
     gate_inp_sh: torch.Tensor | None,
+    gate_sh: torch.Tensor | None,
     ffn_sh: int,
     w_down: torch.Tensor,
     act: torch.Tensor,
@@ -392,9 +398,11 @@ def experts_down_accumulate(
     hidden: int,
     ffn: int,
 ) -> None:
-    """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls)."""
-    _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, ffn_sh, w_down, act, ids, weights,
-                                   h, x, n_tokens, top_k, n_experts, hidden, ffn, stream_of(x))
+    """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls). The
+    shared term's gate comes from at most one of ``gate_inp_sh`` (computed here from h) and ``gate_sh`` (the
+    factors router_experts_gate_up wrote: the same bits)."""
+    _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down, act, ids,
+                                   weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream_of(x))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:

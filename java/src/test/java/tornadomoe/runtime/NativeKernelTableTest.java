@@ -39,12 +39,13 @@ public class NativeKernelTableTest {
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
         m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
         m.put("experts_gate_up", "qpppipppppiiiii"); // qtype, shared gate up act ffn, gate up h ids act, 5 ints
-        m.put("router_experts_gate_up", "ppfppppqpppipppiiiibip"); // x norm_w eps h w_router ids weights, qtype
-                                                                  // shared gate up act ffn, gate up act, T E
-                                                                  // hidden top_k, normalize, ffn, scratch
+        m.put("router_experts_gate_up", "ppfppppqpppinnpppiiiibip"); // x norm_w eps h w_router ids weights, qtype
+                                                                  // shared gate up act ffn gate_inp? gate?,
+                                                                  // gate up act, T E hidden top_k, normalize,
+                                                                  // ffn, scratch
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
-        m.put("experts_down_accumulate", "qppnipppnnpiiiii"); // qtype, shared down act gate? ffn, down act ids
-                                                              // weights? h? x, 5 ints
+        m.put("experts_down_accumulate", "qppnnipppnnpiiiii"); // qtype, shared down act gate_inp? gate? ffn,
+                                                              // down act ids weights? h? x, 5 ints
         m.put("argmax", "ppii");                // logits out n_tokens vocab
         m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
         m.put("advance_position", "pi");        // pos delta
