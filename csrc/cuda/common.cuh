@@ -213,6 +213,27 @@ __device__ __forceinline__ void block_wait_flag(const uint32_t* flag, uint32_t v
     while (flag_acquire(flag) != value) __nanosleep(TM_FLAG_SPIN_NS);
   __syncthreads();
 }
+// A flag that carries 32 bits of payload beside its value, (value << 32) | payload, in one 64-bit word: the
+// consumer gets both from the acquire load it polls with (one dependent round trip less than reading the payload
+// from memory after the wait).
+__device__ __forceinline__ void flag_release_payload(unsigned long long* flag, uint32_t value, uint32_t payload) {
+  const unsigned long long w = (static_cast<unsigned long long>(value) << 32) | payload;
+  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(w) : "memory");
+}
+__device__ __forceinline__ uint32_t block_wait_flag_payload(const unsigned long long* flag, uint32_t value) {
+  __shared__ uint32_t s_payload;
+  if (threadIdx.x == 0) {
+    unsigned long long w;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(flag) : "memory");
+      if (static_cast<uint32_t>(w >> 32) == value) break;
+      __nanosleep(TM_FLAG_SPIN_NS);
+    }
+    s_payload = static_cast<uint32_t>(w);
+  }
+  __syncthreads();
+  return s_payload;
+}
 
 // ---- device helpers ---------------------------------------------------------------------------------------
 

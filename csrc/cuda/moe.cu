@@ -55,15 +55,16 @@ struct GateUpArgs {
 // read with plain loads (the fused router kernel writes it in the same grid, or it sits in shared memory).
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
+// e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
 template <Fmt F, bool V>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   if (r >= a.ffn) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
-  const int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+  const int64_t e = e_given >= 0 ? e_given : a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
   float* o = a.act + slot * a.ffn + r;
   if (e < 0 || e >= a.n_experts) {
     if (lane == 0) *o = kNaN;
@@ -165,12 +166,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //     the down's 2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 775.0 -> 788.1 tok/s
 //     measured with the down reading one float, results/NOTES.md v4q); the last of the token's
 //     router blocks to arrive (an integer counter) runs router_topk_warp on the logits, writes ids/weights and
-//     raises ids_ready[t]. The same functions as router_kernel: the same bits.
+//     raises ids_ready[t], with the ids packed beside the epoch when they fit. The same functions as
+//     router_kernel: the same bits.
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
 //     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
 //   routed block: waits for ids_ready[t] (which implies h: router block 0 stored h before its arrival, a release
-//     the last arrival acquired before raising the flag), then experts_gate_up_block.
+//     the last arrival acquired before raising the flag), takes its slot's expert id from the flag (or from ids
+//     beyond kIdsInFlag slots), then experts_gate_up_block.
 // Nothing is cleared at the end of a call (that took every block one more atomic round trip): the ticket word
 // holds the call's epoch beside the count (one 64-bit atomic returns both), the block with the last ticket starts
 // the next epoch at count 0, flags are raised to the epoch + 1 (a value older calls never wrote, within 2^32
@@ -195,18 +198,30 @@ __host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* g
 }
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
-// 64 bits), then per token arrived and ids_ready, each group on 128-byte lines of its own (the flag pollers then
-// never share a line with the counters' atomics), then the float logits [n_tokens, n_experts].
+// 64 bits), then per token the 32-bit arrival counters and the 64-bit ids_ready flags, each group on 128-byte
+// lines of its own (the flag pollers then never share a line with the counters' atomics), then the float logits
+// [n_tokens, n_experts].
 struct RouterSync {
   unsigned long long* ticket;
-  uint32_t *arrived, *ids_ready;
+  uint32_t* arrived;
+  unsigned long long* ids_ready;  // (epoch + 1) << 32 | packed_ids(the token's ids) once they are written
   float* logits;
 };
 __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   uint32_t* flags = scratch + 64;
-  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group,
-                    reinterpret_cast<float*>(flags + 2 * group)};
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags,
+                    reinterpret_cast<unsigned long long*>(flags + group), reinterpret_cast<float*>(flags + 3 * group)};
+}
+// A token's expert ids in its ids_ready flag (8 bits each, slot s at bit 8 s) when they fit: a routed block then
+// has its expert id from the load it polls the flag with, one dependent L2 round trip before its first weight
+// load less than reading ids[] after the wait. Else (more than 4 slots) the payload is 0 and blocks read ids[].
+constexpr int64_t kIdsInFlag = 4;
+__device__ __forceinline__ uint32_t packed_ids(const Pick* list, int64_t top_k) {
+  uint32_t w = 0;
+  if (top_k <= kIdsInFlag)
+    for (int64_t r = 0; r < top_k; ++r) w |= (static_cast<uint32_t>(list[r].id) & 0xffu) << (8 * r);
+  return w;
 }
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
   return ceil_div(rows, kRowsPerBlock);
@@ -251,7 +266,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
     router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                      ra.weights + t * ra.top_k);
-    if (lane == 0) flag_release(sy.ids_ready + t, raised);  // lane 0 wrote the outputs
+    if (lane == 0) flag_release_payload(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));  // lane 0 wrote them
   }
 }
 
@@ -296,8 +311,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
-  block_wait_flag(sy.ids_ready + p.pair / static_cast<uint32_t>(rt.slot_count), raised);
-  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile);
+  const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
+  const uint32_t ids = block_wait_flag_payload(sy.ids_ready + t, raised);
+  const int e = rt.top_k <= kIdsInFlag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
+  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
 }
 
 struct DownArgs {
