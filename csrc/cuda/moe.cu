@@ -216,7 +216,10 @@ __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_t
 // A token's expert ids in its ids_ready flag (8 bits each, slot s at bit 8 s) when they fit: a routed block then
 // has its expert id from the load it polls the flag with, one dependent L2 round trip before its first weight
 // load less than reading ids[] after the wait. Else (more than 4 slots) the payload is 0 and blocks read ids[].
-constexpr int64_t kIdsInFlag = 4;
+#ifndef TM_IDS_IN_FLAG  // a measurement knob: 0 packs none (blocks read ids[], the same bits)
+#define TM_IDS_IN_FLAG 4
+#endif
+constexpr int64_t kIdsInFlag = TM_IDS_IN_FLAG;
 __device__ __forceinline__ uint32_t packed_ids(const Pick* list, int64_t top_k) {
   uint32_t w = 0;
   if (top_k <= kIdsInFlag)
