@@ -243,6 +243,30 @@ def test_attention(device: str, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_attention_of_one_block_is_the_cluster_merge_bitwise(device: str) -> None:
+    """On CUDA a context of at most 128 positions (4 tiles: one block's warps) is written by one block of the
+    cluster, a longer one through the cluster's merge. Keys at positions 128-159 that score about -1e28
+    against a positive q weigh exp(-1e28 - m) = 0 exactly, so attending to 160 positions must give the bits
+    of attending to the first 128: the one-block path is the merge's arithmetic."""
+    n_heads, n_kv, head_dim, short, long = 2, 2, 128, 128, 160
+    rng = np.random.default_rng(12)
+    q = randn(rng, (1, n_heads, head_dim), device).abs() * 0.1 + 0.01
+    k_cache, v_cache = (randn(rng, (long, n_kv, head_dim), device) for _ in range(2))
+    k_cache[short:] = -1e28
+
+    def run(context: int) -> torch.Tensor:
+        out = poisoned((1, n_heads, head_dim), device)
+        K.attention(q, k_cache, v_cache, out, int32([context - 1], device), 1, n_heads, n_kv, head_dim, long)
+        assert_written(out)
+        return out
+
+    got_short, got_long = run(short), run(long)
+    want = ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), short - 1)
+    assert ref.rel_err(got_short, want) < TOL_ATTENTION
+    assert torch.equal(got_long, got_short)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
     """attention's blocks start under PDL while the kernel before it runs, and before pdl_wait they prefetch
     the cache rows of the context they find then; the context they attend to must be the position that kernel

@@ -95,6 +95,12 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
+// A context of at most one block's tiles (kAttWarps * kAttTile positions; most of the bench's 16-144) is all in
+// rank 0's warps: rank 0 writes the output itself and the other blocks leave at once (see the kernel). A
+// measurement knob: 0 takes the cluster merge at every length (the same bits).
+#ifndef TM_ATT_ONE_BLOCK
+#define TM_ATT_ONE_BLOCK 1
+#endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -159,6 +165,10 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   }
   pdl_begin();
   const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
+  // Every tile in rank 0 (worker g = rank * 4 + warp takes tile g first): the other blocks' partials would be
+  // empty (m = -inf, l = 0, acc = +0), so no block needs the cluster barriers or the remote reads.
+  const bool one_block = TM_ATT_ONE_BLOCK && n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
+  if (one_block && rank != 0) return;
 
   float qr[DPL], acc[DPL];
 #pragma unroll
@@ -273,6 +283,20 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
       blk[0] = bm;
       blk[1] = bl;
     }
+  }
+  if (one_block) {
+    // The cluster merge below with block 0's term alone: the empty blocks' terms are +0 products added to sums
+    // that are never -0 (each starts at +0), which leaves every bit as it is, so this is that merge's result.
+    __syncthreads();
+    const float m0 = blk[0];
+    const float w0 = m0 == -INFINITY ? 0.0f : expf(__fsub_rn(m0, m0));
+    const float big_l = __fadd_rn(0.0f, __fmul_rn(blk[1], w0));
+#pragma unroll
+    for (int k = 0; k < kDimsPerThread; ++k) {
+      const int d = threadIdx.x + kAttWarps * 32 * k;
+      if (d < head_dim) out[pair * head_dim + d] = __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(blk[2 + d], w0)), big_l);
+    }
+    return;
   }
   cluster.sync();
   if (rank == 0) {
