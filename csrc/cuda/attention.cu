@@ -18,9 +18,10 @@
  *   Partials (m, l, acc) are combined in two fixed levels:
  *   each block merges its 4 warps in warp order (M = max m_w, L = sum_w l_w exp(m_w - M), A = sum_w acc_w
  *   exp(m_w - M)), then block 0 of the cluster merges the 8 block partials in block order, read through
- *   distributed shared memory, and writes out = A / L. The number of workers and the tile size are constants, so
- *   the result depends only on the inputs, never on the launch or on graph capture. Shared memory: 5 x
- *   (head_dim + 2) floats per block, independent of the context length.
+ *   distributed shared memory, and writes out = A / L (a context of at most 4 tiles is all block 0's: it writes out
+ *   itself with the same arithmetic and no block waits at a cluster barrier). The number of workers and the tile
+ *   size are constants, so the result depends only on the inputs, never on the launch or on graph capture.
+ *   Shared memory: 5 x (head_dim + 2) floats per block, independent of the context length.
  */
 #include <cooperative_groups.h>
 

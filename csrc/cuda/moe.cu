@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
 //     also stores it to h); warp w computes the logit of expert 8 j + w into the scratch (with a shared-expert
 //     gate row, "expert" n_experts is that row: gate[t] = shared_gate(h), read by the down after this launch, so
-//     the down's 2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 775.0 -> 788.1 tok/s
-//     measured with the down reading one float, results/NOTES.md v4q); the last of the token's
+//     that the down's 2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 774.1 -> 790.8
+//     tok/s in one call, results/NOTES.md v4q); the last of the token's
 //     router blocks to arrive (an integer counter) runs router_topk_warp on the logits, writes ids/weights and
 //     raises ids_ready[t], with the ids packed beside the epoch when they fit. The same functions as
 //     router_kernel: the same bits.
