@@ -11,8 +11,8 @@
 // Every reader's checksum is compared with the host's, so a reader that skipped bytes fails loudly.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I csrc/include -I csrc/common \
-//        -I csrc/cuda scripts/proto/read_floor.cu -o /tmp/read_floor && /tmp/read_floor
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//        -I csrc/common -I csrc/cuda scripts/proto/read_floor.cu -o /tmp/read_floor && /tmp/read_floor
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -22,17 +22,9 @@
 #include <vector>
 
 #include "common.cuh"
+#include "proto.cuh"
 
 namespace {
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 constexpr int64_t kPool = int64_t{1} << 30;  // regions walked in order: one is read again only after ~1 GB of others
 
@@ -128,21 +120,6 @@ __global__ void fill(uint32_t* p, int64_t n) {
     x ^= x >> 15;
     p[i] = x * 2246822519u + static_cast<uint32_t>(i >> 32);
   }
-}
-
-template <class K, class... Args>
-void launch_pdl(K kernel, int blocks, int threads, size_t smem, cudaStream_t st, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // A reader: launches one read of `bytes` at `src` (sum nullable).

@@ -16,8 +16,8 @@
 // Each result is checked against a float64 reference, and every variant must give base's bits exactly.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I csrc/include -I csrc/common \
-//        -I csrc/cuda scripts/proto/smem_rows.cu -o /tmp/smem_rows && /tmp/smem_rows
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//        -I csrc/common -I csrc/cuda scripts/proto/smem_rows.cu -o /tmp/smem_rows && /tmp/smem_rows
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -27,6 +27,7 @@
 #include <random>
 #include <vector>
 
+#include "proto.cuh"
 #include "qdot.cuh"
 
 namespace {
@@ -34,15 +35,6 @@ namespace {
 constexpr int kWarps = 8;
 enum Mode : int { kBase, kL2Pre, kSmemPre, kSmemPost };
 const char* const kModeNames[] = {"base", "l2pre", "smem_pre", "smem_post"};
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 // Warp g computes rows g * NR .. g * NR + NR - 1 (contiguous, so one bulk copy): y[r] = dot(W[r], x).
 template <int NR, bool W16, int M>
@@ -92,20 +84,6 @@ Kernel kernel_for(int mode) {
     case kSmemPre: return matvec<NR, W16, kSmemPre>;
     default: return matvec<NR, W16, kSmemPost>;
   }
-}
-
-void launch_pdl(Kernel k, int blocks, size_t smem, const uint8_t* w, const float* x, float* y, int groups,
-                int64_t nblocks, int64_t row_bytes) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, k, w, x, y, groups, nblocks, row_bytes));
 }
 
 // Microseconds per launch of launch(copy) over `copies` rotating weight copies (events around `iters` launches).
@@ -175,7 +153,10 @@ void run(const char* name, int rows, int cols) {
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k, kWarps * 32, dyn));
     CHECK(cudaMemset(dy, 0xff, rows * 4));  // NaN: a row not written fails the check
     const double us = time_us(
-        [&](int i) { launch_pdl(k, blocks, dyn, dw + bytes * i, dx, dy, groups, nb, row_bytes); }, copies, 400);
+        [&](int i) {
+          launch_pdl(k, blocks, kWarps * 32, dyn, nullptr, dw + bytes * i, dx, dy, groups, nb, row_bytes);
+        },
+        copies, 400);
     std::vector<float> y(rows);
     CHECK(cudaMemcpy(y.data(), dy, rows * 4, cudaMemcpyDeviceToHost));
     double worst = 0, scale = 0;
