@@ -13,6 +13,8 @@
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
 # build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
 # profile stage's arguments, default `-n 8`);
+# TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
+# -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
 # PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
@@ -148,6 +150,12 @@ if want tuning; then  # the tuning builds' tiled kernels timed
 fi
 # the model is needed from here on (the kernel benchmarks and tuning builds above ran while it was written)
 [ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
+if want tuning && [ -n "${TIMELINE:-}" ]; then  # TIMELINE=<tuning name built with -DTM_RGU_TIMELINE=1>
+  stamp "router_experts_gate_up timeline (tuning build $TIMELINE)"
+  (cd /tmp/tune-$TIMELINE && PYTHONPATH=/tmp/site:/tmp/tune-$TIMELINE timeout -k 10 "$(left 60)" \
+    $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1)
+  cat "$OUT/timeline.log"
+fi
 if want ncu; then  # NCU_TREE=<tuning name>: profile that tuning build instead of this tree
   stamp "ncu (PDL off${NCU_TREE:+, tuning build $NCU_TREE})"
   ncu_tree=$ROOT; [ -n "${NCU_TREE:-}" ] && ncu_tree=/tmp/tune-$NCU_TREE

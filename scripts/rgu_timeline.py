@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Where router_experts_gate_up's time goes inside the decode chain (results/NOTES.md lesson 46 a).
+
+Alone the fused launch takes ~3.8 us more than the same gate-ups without the router, and in the chain it
+is ~9 us a layer above a pure read of its bytes. This runs decode steps (fused, CUDA graph) of a model on a
+library built with ``-DTM_RGU_TIMELINE=1`` (csrc/cuda/moe.cu: every block of the latest launch stamps the
+global timer at its start, after pdl_wait, when its role is known, when its inputs are ready and when its
+warps end), reads the stamps of the step's last launch (the last layer) after each step, and prints, per role
+(router, shared expert, routed), when its blocks start, wait and end relative to the launch's first block. The
+stamps cost the kernel a little (spills in the measurement build), so read the shape of the timeline, not its
+total.
+
+Run on a GPU machine against a measurement build, e.g. through scripts/device_run.sh's tuning stage:
+  TUNING="tl:-DTM_RGU_TIMELINE=1" TIMELINE=tl ... bash scripts/device_run.sh
+or by hand: PYTHONPATH=<tree built with the flag> python3 scripts/rgu_timeline.py --model model.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from tornado_moe.engine import Engine, EngineOptions
+from tornado_moe.model.gguf_model import load_model
+from tornado_moe.native import native_dir
+from tornado_moe.tools.run_info import run_info
+
+ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
+ROLES = ("router", "shared", "routed")
+EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
+
+
+def timeline_reader() -> ctypes._CFuncPtr:
+    lib = ctypes.CDLL(str(native_dir() / "libtornado_moe.so"))  # the library the torch ops already loaded
+    try:
+        fn = lib.tm_cuda_rgu_timeline
+    except AttributeError:
+        sys.exit("this tornado-moe library was built without -DTM_RGU_TIMELINE=1: no timeline to read")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
+    """The latest launch's rows: [block, 7] uint64 (t[5] in ns, then role | sm << 32)."""
+    rows = np.zeros((ROWS, 7), dtype=np.uint64)
+    if fn(rows.ctypes.data, ROWS) < 0:
+        sys.exit("tm_cuda_rgu_timeline failed (a CUDA error)")
+    return rows[rows[:, 0] > 0]
+
+
+def summarize(rows: np.ndarray) -> dict:
+    """Per role and event: min / median / max microseconds after the launch's first block started."""
+    t = rows[:, :5].astype(np.int64)
+    t0 = int(t[:, 0].min())
+    rel = (t - t0) / 1e3
+    role = (rows[:, 5] & 0xFFFFFFFF).astype(np.int64)
+    out: dict = {"blocks": int(len(rows)), "span_us": float(rel[:, 4].max())}
+    for r, name in enumerate(ROLES):
+        sel = rel[role == r]
+        if not len(sel):
+            continue
+        out[name] = {"blocks": int(len(sel))}
+        for k, ev in enumerate(EVENTS):
+            col = sel[:, k]
+            out[name][ev] = [float(col.min()), float(np.median(col)), float(col.max())]
+        out[name]["waiting_us_median"] = float(np.median(sel[:, 3] - sel[:, 2]))
+        out[name]["streaming_us_median"] = float(np.median(sel[:, 4] - sel[:, 3]))
+    if "router" in out and "routed" in out:
+        router_done = out["router"]["end"][2]
+        out["routed_started_before_the_ids"] = int((rel[role == 2][:, 2] < router_done).sum())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF model with routed and shared experts (the synth)")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length before the measured steps")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps, one timeline sample after each")
+    ap.add_argument("--json", help="write every sample's summary here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    read = timeline_reader()
+    engine = Engine(load_model(args.model), EngineOptions(device="cuda", cuda_graphs=True))
+    try:
+        for tok in range(1, args.prompt_tokens + 1):
+            engine.feed(tok)
+        samples = []
+        for _ in range(args.steps):
+            engine.decode_next()
+            torch.cuda.synchronize()
+            samples.append(summarize(read_launch(read)))
+    finally:
+        engine.close()
+    print(f"router_experts_gate_up, the last layer's launch, {len(samples)} decode steps (median over steps "
+          "of each figure; us after the launch's first block started: min / median / max over its blocks)")
+    print(f"span {statistics.median(s['span_us'] for s in samples):.2f} us, "
+          f"{samples[-1]['blocks']} blocks")
+    for name in ROLES:
+        if name not in samples[-1]:
+            continue
+        print(f"  {name:7s} {samples[-1][name]['blocks']:5d} blocks")
+        for ev in EVENTS:
+            v = [statistics.median(s[name][ev][i] for s in samples) for i in range(3)]
+            print(f"    {ev:13s} {v[0]:7.2f} {v[1]:7.2f} {v[2]:7.2f}")
+        wait = statistics.median(s[name]["waiting_us_median"] for s in samples)
+        stream = statistics.median(s[name]["streaming_us_median"] for s in samples)
+        print(f"    waiting (inputs_ready - role_known), median {wait:.2f} us; "
+              f"streaming (end - inputs_ready), median {stream:.2f} us")
+    if "routed_started_before_the_ids" in samples[-1]:
+        print(f"  routed blocks that had their ticket before the last router block ended: "
+              f"{statistics.median(s['routed_started_before_the_ids'] for s in samples)}")
+    if args.json:
+        report = run_info(sys.argv[1:], "cuda", model=args.model, samples=samples)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

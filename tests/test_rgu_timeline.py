@@ -1,0 +1,37 @@
+"""scripts/rgu_timeline.py's summary of the measurement build's stamps (the GPU run itself needs a library
+built with -DTM_RGU_TIMELINE=1; here the rows are written by hand, in the layout csrc/cuda/moe.cu
+documents)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rgu_timeline.py"
+
+
+def load_script():  # scripts/ is not a package
+    spec = importlib.util.spec_from_file_location("rgu_timeline", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_times_each_role_from_the_first_block() -> None:
+    tl = load_script()
+    base = 5 * 10**12  # the global timer in ns
+    blocks = [(0, [0, 100, 200, 1500, 6000]), (1, [50, 150, 150, 900, 4000]), (1, [60, 160, 160, 950, 4200]),
+              (2, [70, 170, 300, 6100, 9000]), (2, [4000, 4100, 4200, 6200, 9500])]
+    rows = np.zeros((len(blocks) + 2, 7), dtype=np.uint64)  # two rows no block stamped
+    for i, (role, t) in enumerate(blocks):
+        rows[i, :5] = [base + x for x in t]
+        rows[i, 5] = role | (7 << 32)  # the SM id in the high word
+    s = tl.summarize(rows[rows[:, 0] > 0])
+    assert s["blocks"] == 5 and s["span_us"] == pytest.approx(9.5)
+    assert s["router"]["end"] == pytest.approx([6.0, 6.0, 6.0])
+    assert s["shared"]["blocks"] == 2 and s["shared"]["inputs_ready"] == pytest.approx([0.9, 0.925, 0.95])
+    assert s["routed"]["waiting_us_median"] == pytest.approx((5.8 + 2.0) / 2)
+    assert s["routed_started_before_the_ids"] == 2
