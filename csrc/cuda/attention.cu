@@ -96,9 +96,8 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// A context of at most one block's tiles (kAttWarps * kAttTile positions; most of the bench's 16-144) is all in
-// rank 0's warps: rank 0 writes the output itself and the other blocks leave at once (see the kernel). A
-// measurement knob: 0 takes the cluster merge at every length (the same bits).
+// Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
+// 0 takes the cluster merge at every length (the same bits).
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
 #endif

@@ -189,38 +189,18 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
 // stores (the barrier makes them the releasing thread's predecessors); the wait polls with acquire loads. Polling
 // with relaxed loads and one fence.acq_rel after was slower on the H200 (its MEMBAR lies on every waiting block's
 // path: results/NOTES.md v4i).
+// A flag is one 64-bit word, (value << 32) | payload: it is raised to a value (kernels use the call's epoch, so
+// that a flag never needs clearing) and carries 32 bits beside it, which the waiting block gets from the acquire
+// load it polls with (one dependent round trip less than reading them from memory after the wait).
 #ifndef TM_FLAG_SPIN_NS
 #define TM_FLAG_SPIN_NS 32
 #endif
-// A flag is raised to a value (kernels use the call's epoch, so that a flag never needs clearing).
-__device__ __forceinline__ void flag_release(uint32_t* flag, uint32_t value) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
-}
-__device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-// Adds 1 to an arrival counter (release of what the block stored before, acquire of what earlier arrivals did);
-// returns the count before.
-__device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {
-  uint32_t old;
-  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return old;
-}
-__device__ __forceinline__ void block_wait_flag(const uint32_t* flag, uint32_t value) {
-  if (threadIdx.x == 0)
-    while (flag_acquire(flag) != value) __nanosleep(TM_FLAG_SPIN_NS);
-  __syncthreads();
-}
-// A flag that carries 32 bits of payload beside its value, (value << 32) | payload, in one 64-bit word: the
-// consumer gets both from the acquire load it polls with (one dependent round trip less than reading the payload
-// from memory after the wait).
-__device__ __forceinline__ void flag_release_payload(unsigned long long* flag, uint32_t value, uint32_t payload) {
+__device__ __forceinline__ void flag_release(unsigned long long* flag, uint32_t value, uint32_t payload) {
   const unsigned long long w = (static_cast<unsigned long long>(value) << 32) | payload;
   asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(w) : "memory");
 }
-__device__ __forceinline__ uint32_t block_wait_flag_payload(const unsigned long long* flag, uint32_t value) {
+// Returns the payload once the flag holds `value`.
+__device__ __forceinline__ uint32_t block_wait_flag(const unsigned long long* flag, uint32_t value) {
   __shared__ uint32_t s_payload;
   if (threadIdx.x == 0) {
     unsigned long long w;
@@ -233,6 +213,13 @@ __device__ __forceinline__ uint32_t block_wait_flag_payload(const unsigned long 
   }
   __syncthreads();
   return s_payload;
+}
+// Adds 1 to an arrival counter (release of what the block stored before, acquire of what earlier arrivals did);
+// returns the count before.
+__device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
 }
 
 // ---- device helpers ---------------------------------------------------------------------------------------

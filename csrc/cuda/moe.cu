@@ -138,7 +138,7 @@ constexpr int kGateNone = -1;
 // Per block of the latest router_experts_gate_up launch: the global timer (ns) at its start, after pdl_wait,
 // when its role is known, when its inputs are ready (shared: h normalised; router: its arrival counted; routed:
 // the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM.
-// tm_cuda_rgu_timeline copies the rows out (scripts/rgu_timeline.py). Without the flag the macros are empty and
+// tm_cuda_rgu_timeline copies the rows out (scripts/rgu_timeline.py). Without the flag the stamps are empty and
 // the kernel is the product's, bit for bit.
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
@@ -160,33 +160,23 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
   return v;
 }
-#define TM_STAMP(k)                                                                             \
-  do {                                                                                          \
-    if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) rgu_timeline[blockIdx.x].t[k] = global_ns(); \
-  } while (0)
-#define TM_STAMP_ROLE(r)                                          \
-  do {                                                            \
-    if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) {         \
-      rgu_timeline[blockIdx.x].role = (r);                        \
-      rgu_timeline[blockIdx.x].sm = sm_id();                      \
-      rgu_timeline[blockIdx.x].t[4] = 0;                          \
-    }                                                             \
-  } while (0)
-#define TM_STAMP_END()                                                                           \
-  do {                                                                                           \
-    if ((threadIdx.x & 31) == 0 && blockIdx.x < kTimelineRows)                                   \
-      atomicMax(&rgu_timeline[blockIdx.x].t[4], global_ns());                                    \
-  } while (0)
+__device__ __forceinline__ void stamp(int k) {
+  if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) rgu_timeline[blockIdx.x].t[k] = global_ns();
+}
+__device__ __forceinline__ void stamp_role(uint32_t role) {
+  if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) {
+    rgu_timeline[blockIdx.x].role = role;
+    rgu_timeline[blockIdx.x].sm = sm_id();
+  }
+}
+// The end of the block's last warp (the timer only grows: the previous launch's value is always below).
+__device__ __forceinline__ void stamp_end() {
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < kTimelineRows) atomicMax(&rgu_timeline[blockIdx.x].t[4], global_ns());
+}
 #else
-#define TM_STAMP(k) \
-  do {              \
-  } while (0)
-#define TM_STAMP_ROLE(r) \
-  do {                   \
-  } while (0)
-#define TM_STAMP_END() \
-  do {                 \
-  } while (0)
+__device__ __forceinline__ void stamp(int) {}
+__device__ __forceinline__ void stamp_role(uint32_t) {}
+__device__ __forceinline__ void stamp_end() {}
 #endif
 
 // sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot, whose bits depend only on the length: the
@@ -317,7 +307,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   if (threadIdx.x == 0) {
     s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(router_rows(ra.n_experts, ra.gate_inp)) - 1;
     if (s_last) sy.arrived[t] = 0;  // every other arrival of this call is in: the counter for the next one
-    TM_STAMP(3);
+    stamp(3);
   }
   __syncthreads();
   if (s_last && warp == 0) {
@@ -325,7 +315,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
     router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                      ra.weights + t * ra.top_k);
-    if (lane == 0) flag_release_payload(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));  // lane 0 wrote them
+    if (lane == 0) flag_release(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));  // lane 0 wrote them
   }
 }
 
@@ -340,7 +330,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t per_token = static_cast<uint32_t>(router_blocks_per_token(router_rows(ra.n_experts, ra.gate_inp)));
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
-  TM_STAMP(0);
+  stamp(0);
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -348,16 +338,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
   pdl_begin();
-  TM_STAMP(1);
+  stamp(1);
   if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
-    TM_STAMP_ROLE(1);
-    TM_STAMP(2);
+    stamp_role(1);
+    stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
-    TM_STAMP(3);
+    stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
-    TM_STAMP_END();
+    stamp_end();
     return;
   }
   const RouterSync sy = router_sync(sync, n_tokens);
@@ -371,20 +361,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   }
   __syncthreads();
   const uint32_t b = s_ticket, raised = s_raised;
-  TM_STAMP_ROLE(b < router_blocks ? 0 : 2);
-  TM_STAMP(2);
+  stamp_role(b < router_blocks ? 0 : 2);
+  stamp(2);
   if (b < router_blocks) {
     router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
-    TM_STAMP_END();
+    stamp_end();
     return;
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
-  const uint32_t ids = block_wait_flag_payload(sy.ids_ready + t, raised);
-  TM_STAMP(3);
+  const uint32_t ids = block_wait_flag(sy.ids_ready + t, raised);
+  stamp(3);
   const int e = rt.top_k <= kIdsInFlag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
-  TM_STAMP_END();
+  stamp_end();
 }
 
 struct DownArgs {

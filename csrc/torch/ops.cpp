@@ -300,9 +300,9 @@ void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_
 
 void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
                             const Tensor& ids, const Tensor& weights, int64_t qtype, const Tensor& w_gate_sh,
-                            const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh, const OptTensor& gate_inp_sh,
-                            const OptTensor& gate_sh, const Tensor& w_gate, const Tensor& w_up, const Tensor& act,
-                            int64_t n_tokens, int64_t n_experts,
+                            const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh,
+                            const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
+                            const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
                             int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
@@ -341,9 +341,10 @@ void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act,
 }
 
 void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tensor& act_sh, const OptTensor& gate_inp_sh,
-                             const OptTensor& gate_sh, int64_t ffn_sh, const Tensor& w_down, const Tensor& act, const Tensor& ids,
-                             const OptTensor& weights, const OptTensor& h, const Tensor& x, int64_t n_tokens,
-                             int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
+                             const OptTensor& gate_sh, int64_t ffn_sh, const Tensor& w_down, const Tensor& act,
+                             const Tensor& ids, const OptTensor& weights, const OptTensor& h, const Tensor& x,
+                             int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                             int64_t stream) {
   Args a("tornado_moe.experts_down_accumulate");
   const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
@@ -446,8 +447,8 @@ TORCH_LIBRARY(tornado_moe, m) {
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
   m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, Tensor? gate_sh, "
-        "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, int top_k, "
-        "int n_experts, int hidden, int ffn, int stream) -> ()");
+        "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, "
+        "int top_k, int n_experts, int hidden, int ffn, int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
