@@ -5,10 +5,10 @@ Alone the fused launch takes ~3.8 us more than the same gate-ups without the rou
 is ~9 us a layer above a pure read of its bytes. This runs decode steps (fused, CUDA graph) of a model on a
 library built with ``-DTM_RGU_TIMELINE=1`` (csrc/cuda/moe.cu: every block of the latest launch stamps the
 global timer at its start, after pdl_wait, when its role is known, when its inputs are ready and when its
-warps end), reads the stamps of the step's last launch (the last layer) after each step, and prints, per role
-(router, shared expert, routed), when its blocks start, wait and end relative to the launch's first block. The
-stamps cost the kernel a little (spills in the measurement build), so read the shape of the timeline, not its
-total.
+warps end; the experts_down launch after it stamps too, on the same clock), reads the stamps of the step's
+last layer after each step, and prints, per role (router, shared expert, routed, down), when its blocks start,
+wait and end relative to the gate-up launch's first block. The stamps cost the kernels a little (spills in the
+measurement build), so read the shape of the timeline, not its total.
 
 Run on a GPU machine against a measurement build, e.g. through scripts/device_run.sh's tuning stage:
   TUNING="tl:-DTM_RGU_TIMELINE=1" TIMELINE=tl ... bash scripts/device_run.sh
@@ -32,7 +32,7 @@ from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
 ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
-ROLES = ("router", "shared", "routed")
+ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
 
 
@@ -48,7 +48,7 @@ def timeline_reader() -> ctypes._CFuncPtr:
 
 
 def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
-    """The latest launch's rows: [block, 7] uint64 (t[5] in ns, then role | sm << 32)."""
+    """The latest launches' rows: [block, 7] uint64 (t[5] in ns, then role | sm << 32), zeroed after."""
     rows = np.zeros((ROWS, 7), dtype=np.uint64)
     if fn(rows.ctypes.data, ROWS) < 0:
         sys.exit("tm_cuda_rgu_timeline failed (a CUDA error)")
@@ -58,10 +58,11 @@ def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
 def summarize(rows: np.ndarray) -> dict:
     """Per role and event: min / median / max microseconds after the launch's first block started."""
     t = rows[:, :5].astype(np.int64)
-    t0 = int(t[:, 0].min())
-    rel = (t - t0) / 1e3
     role = (rows[:, 5] & 0xFFFFFFFF).astype(np.int64)
-    out: dict = {"blocks": int(len(rows)), "span_us": float(rel[:, 4].max())}
+    t0 = int(t[role < 3, 0].min())
+    rel = (t - t0) / 1e3
+    gate_up = role < 3
+    out: dict = {"blocks": int(gate_up.sum()), "span_us": float(rel[gate_up, 4].max())}  # the gate-up launch
     for r, name in enumerate(ROLES):
         sel = rel[role == r]
         if not len(sel):
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for tok in range(1, args.prompt_tokens + 1):
             engine.feed(tok)
+        torch.cuda.synchronize()
+        read_launch(read)  # the prompt's rows, cleared
         samples = []
         for _ in range(args.steps):
             engine.decode_next()

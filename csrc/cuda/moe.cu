@@ -137,14 +137,16 @@ constexpr int kGateNone = -1;
 // ---- a measurement build only (-DTM_RGU_TIMELINE=1; results/NOTES.md lesson 46 a) ----
 // Per block of the latest router_experts_gate_up launch: the global timer (ns) at its start, after pdl_wait,
 // when its role is known, when its inputs are ready (shared: h normalised; router: its arrival counted; routed:
-// the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM.
-// tm_cuda_rgu_timeline copies the rows out (scripts/rgu_timeline.py). Without the flag the stamps are empty and
-// the kernel is the product's, bit for bit.
+// the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM. The blocks
+// of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; inputs ready: warp 0's row copy
+// landed), on the same clock. tm_cuda_rgu_timeline copies the rows out and clears them
+// (scripts/rgu_timeline.py). Without the flag the stamps are empty and the kernels are the product's, bit for bit.
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
 #endif
 #if TM_RGU_TIMELINE
 constexpr int kTimelineRows = 8192;
+constexpr uint32_t kDownTimelineRow0 = 4096;
 struct TimelineRow {
   unsigned long long t[5];
   uint32_t role, sm;
@@ -160,23 +162,28 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
   return v;
 }
-__device__ __forceinline__ void stamp(int k) {
-  if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) rgu_timeline[blockIdx.x].t[k] = global_ns();
+// row0: kDownTimelineRow0 for the down's blocks (its first token's only)
+__device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) rgu_timeline[r].t[k] = global_ns();
 }
-__device__ __forceinline__ void stamp_role(uint32_t role) {
-  if (threadIdx.x == 0 && blockIdx.x < kTimelineRows) {
-    rgu_timeline[blockIdx.x].role = role;
-    rgu_timeline[blockIdx.x].sm = sm_id();
+__device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) {
+    rgu_timeline[r].role = role;
+    rgu_timeline[r].sm = sm_id();
   }
 }
-// The end of the block's last warp (the timer only grows: the previous launch's value is always below).
-__device__ __forceinline__ void stamp_end() {
-  if ((threadIdx.x & 31) == 0 && blockIdx.x < kTimelineRows) atomicMax(&rgu_timeline[blockIdx.x].t[4], global_ns());
+// The end of the block's last warp (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
+__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[4], global_ns());
 }
 #else
-__device__ __forceinline__ void stamp(int) {}
-__device__ __forceinline__ void stamp_role(uint32_t) {}
-__device__ __forceinline__ void stamp_end() {}
+__device__ __forceinline__ void stamp(int, uint32_t = 0) {}
+__device__ __forceinline__ void stamp_role(uint32_t, uint32_t = 0) {}
+__device__ __forceinline__ void stamp_end(uint32_t = 0) {}
+constexpr uint32_t kDownTimelineRow0 = 0;
 #endif
 
 // sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot, whose bits depend only on the length: the
@@ -535,6 +542,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   auto row_copy = [&]() {
     return reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) + warp * sh.row_bytes;
   };
+  stamp(0, kDownTimelineRow0);
   if constexpr (SM) {  // the shared expert's rows are known up front
     if (shared_warp && r0 + warp < sh.hidden && lane == 0)
       bulk_row_to_smem(row_copy(), sh.w_down + (r0 + warp) * sh.row_bytes, static_cast<uint32_t>(sh.row_bytes),
@@ -543,6 +551,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   }
   pdl_begin();
+  stamp(1, kDownTimelineRow0);
+  stamp(2, kDownTimelineRow0);
+  stamp_role(3, kDownTimelineRow0);
   if (shared_warp) {
     const int64_t r = r0 + warp;
     if (r < sh.hidden) {
@@ -552,6 +563,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
+        stamp(3, kDownTimelineRow0);
         down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
       } else {
         down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
@@ -579,6 +591,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
   for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
   *xo = acc;
+  stamp_end(kDownTimelineRow0);
 }
 
 // The gate-up kernels index blocks with 32 bits (gate_up_block says why).
@@ -849,11 +862,16 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
 
 #if TM_RGU_TIMELINE
 // The measurement build's timeline rows (see TM_RGU_TIMELINE above): up to `rows` of them into host memory, 7
-// 64-bit words a row (t[5], then role and SM as two 32-bit words). Returns the rows copied, or -1.
+// 64-bit words a row (t[5], then role and SM as two 32-bit words), then every row zeroed (rows no later launch
+// stamps, e.g. a prefill's larger grid, would otherwise look like the next launch's). Returns the rows copied,
+// or -1.
 extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
   const int64_t n = rows < kTimelineRows ? rows : kTimelineRows;
+  void* dev = nullptr;
   if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpyFromSymbol(host, rgu_timeline, static_cast<size_t>(n) * sizeof(TimelineRow)) != cudaSuccess)
+      cudaMemcpyFromSymbol(host, rgu_timeline, static_cast<size_t>(n) * sizeof(TimelineRow)) != cudaSuccess ||
+      cudaGetSymbolAddress(&dev, rgu_timeline) != cudaSuccess ||
+      cudaMemset(dev, 0, sizeof(rgu_timeline)) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
     return -1;
   return n;
 }
