@@ -153,7 +153,7 @@ fi
 if want tuning && [ -n "${TIMELINE:-}" ]; then  # TIMELINE=<tuning name built with -DTM_RGU_TIMELINE=1>
   stamp "router_experts_gate_up timeline (tuning build $TIMELINE)"
   (cd /tmp/tune-$TIMELINE && PYTHONPATH=/tmp/site:/tmp/tune-$TIMELINE timeout -k 10 "$(left 60)" \
-    $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" > "$OUT/timeline.log" 2>&1)
+    $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" --raw "$OUT/timeline_rows.npz" > "$OUT/timeline.log" 2>&1)
   cat "$OUT/timeline.log"
 fi
 if want ncu; then  # NCU_TREE=<tuning name>: profile that tuning build instead of this tree

@@ -32,6 +32,8 @@ from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
 ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
+# moe.cu's TimelineRow (48 bytes, static_assert there): the timer at the five events (ns), role, SM
+ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
 ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
 
@@ -48,20 +50,20 @@ def timeline_reader() -> ctypes._CFuncPtr:
 
 
 def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
-    """The latest launches' rows: [block, 7] uint64 (t[5] in ns, then role | sm << 32), zeroed after."""
-    rows = np.zeros((ROWS, 7), dtype=np.uint64)
+    """The latest launches' stamped rows (ROW), which the library zeroes after the copy."""
+    rows = np.zeros(ROWS, dtype=ROW)
     if fn(rows.ctypes.data, ROWS) < 0:
         sys.exit("tm_cuda_rgu_timeline failed (a CUDA error)")
-    return rows[rows[:, 0] > 0]
+    return rows[rows["t"][:, 0] > 0]
 
 
 def summarize(rows: np.ndarray) -> dict:
-    """Per role and event: min / median / max microseconds after the launch's first block started."""
-    t = rows[:, :5].astype(np.int64)
-    role = (rows[:, 5] & 0xFFFFFFFF).astype(np.int64)
-    t0 = int(t[role < 3, 0].min())
-    rel = (t - t0) / 1e3
+    """Per role and event: min / median / max microseconds after the gate-up launch's first block started."""
+    t = rows["t"].astype(np.int64)
+    role = rows["role"].astype(np.int64)
     gate_up = role < 3
+    t0 = int(t[gate_up, 0].min())
+    rel = (t - t0) / 1e3
     out: dict = {"blocks": int(gate_up.sum()), "span_us": float(rel[gate_up, 4].max())}  # the gate-up launch
     for r, name in enumerate(ROLES):
         sel = rel[role == r]
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length before the measured steps")
     ap.add_argument("--steps", type=int, default=8, help="decode steps, one timeline sample after each")
     ap.add_argument("--json", help="write every sample's summary here")
+    ap.add_argument("--raw", help="write every sample's rows here (.npz, one array per step)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -95,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             engine.feed(tok)
         torch.cuda.synchronize()
         read_launch(read)  # the prompt's rows, cleared
-        samples = []
-        for _ in range(args.steps):
+        samples, raw = [], {}
+        for step in range(args.steps):
             engine.decode_next()
             torch.cuda.synchronize()
-            samples.append(summarize(read_launch(read)))
+            raw[f"step{step}"] = read_launch(read)
+            samples.append(summarize(raw[f"step{step}"]))
     finally:
         engine.close()
     print(f"router_experts_gate_up, the last layer's launch, {len(samples)} decode steps (median over steps "
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if "routed_started_before_the_ids" in samples[-1]:
         print(f"  routed blocks that had their ticket before the last router block ended: "
               f"{statistics.median(s['routed_started_before_the_ids'] for s in samples)}")
+    if args.raw:
+        np.savez_compressed(args.raw, **raw)
     if args.json:
         report = run_info(sys.argv[1:], "cuda", model=args.model, samples=samples)
         with open(args.json, "w") as f:

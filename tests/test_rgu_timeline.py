@@ -26,11 +26,12 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     blocks = [(0, [0, 100, 200, 1500, 6000]), (1, [50, 150, 150, 900, 4000]), (1, [60, 160, 160, 950, 4200]),
               (2, [70, 170, 300, 6100, 9000]), (2, [4000, 4100, 4200, 6200, 9500]),
               (3, [8000, 9800, 9800, 9900, 12000])]  # a block of the down launch after it
-    rows = np.zeros((len(blocks) + 2, 7), dtype=np.uint64)  # two rows no block stamped
+    rows = np.zeros(len(blocks) + 2, dtype=tl.ROW)  # two rows no block stamped
     for i, (role, t) in enumerate(blocks):
-        rows[i, :5] = [base + x for x in t]
-        rows[i, 5] = role | (7 << 32)  # the SM id in the high word
-    s = tl.summarize(rows[rows[:, 0] > 0])
+        rows[i]["t"] = [base + x for x in t]
+        rows[i]["role"], rows[i]["sm"] = role, 7
+    assert tl.ROW.itemsize == 48  # moe.cu's TimelineRow
+    s = tl.summarize(rows[rows["t"][:, 0] > 0])
     assert s["blocks"] == 5 and s["span_us"] == pytest.approx(9.5)  # the gate-up launch's, without the down
     assert s["down"]["blocks"] == 1 and s["down"]["after_wait"] == pytest.approx([9.8] * 3)
     assert s["router"]["end"] == pytest.approx([6.0, 6.0, 6.0])

@@ -151,6 +151,7 @@ struct TimelineRow {
   unsigned long long t[5];
   uint32_t role, sm;
 };
+static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
 __device__ TimelineRow rgu_timeline[kTimelineRows];
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -861,10 +862,9 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
 }
 
 #if TM_RGU_TIMELINE
-// The measurement build's timeline rows (see TM_RGU_TIMELINE above): up to `rows` of them into host memory, 7
-// 64-bit words a row (t[5], then role and SM as two 32-bit words), then every row zeroed (rows no later launch
-// stamps, e.g. a prefill's larger grid, would otherwise look like the next launch's). Returns the rows copied,
-// or -1.
+// The measurement build's timeline rows (see TM_RGU_TIMELINE above): up to `rows` of them into host memory
+// (TimelineRow: t[5], role, SM), then every row zeroed (rows no later launch stamps, e.g. a prefill's larger
+// grid, would otherwise look like the next launch's). Returns the rows copied, or -1.
 extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
   const int64_t n = rows < kTimelineRows ? rows : kTimelineRows;
   void* dev = nullptr;
