@@ -182,44 +182,39 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
 }
 
 // ---- flags between the blocks of one grid ------------------------------------------------------------------
-// Integer words only (never a floating-point atomic). A block publishes what its threads stored with
-// __syncthreads() and then flag_release in one thread; a consumer block calls block_wait_flag (every thread), after
-// which all its threads see those stores. A block may only wait for blocks that are already running (kernels hand
-// out roles by an atomic ticket for that), so a wait always ends. The release store orders the block's earlier
-// stores (the barrier makes them the releasing thread's predecessors); the wait polls with acquire loads. Polling
-// with relaxed loads and one fence.acq_rel after was slower on the H200 (its MEMBAR lies on every waiting block's
-// path: results/NOTES.md v4i).
-// A flag is one 64-bit word, (value << 32) | payload: it is raised to a value (kernels use the call's epoch, so
-// that a flag never needs clearing) and carries 32 bits beside it, which the waiting block gets from the acquire
-// load it polls with (one dependent round trip less than reading them from memory after the wait).
+// Integer words only (never a floating-point atomic). A block may only wait for blocks that are already running
+// (kernels hand out roles by an atomic ticket for that), so a wait always ends.
+// A flag is one 64-bit word, (tag << 32) | payload, written with one store: kernels tag with the call's epoch, so
+// that a flag never needs clearing, and a reader that sees the tag has the payload from the same load.
+// - flag_release publishes what a block stored before it: the block's threads store, __syncthreads(), then one
+//   thread calls it (the barrier makes their stores the releasing thread's predecessors); a consumer acquires with
+//   ld_acquire_u64, after which all its threads (past a barrier) see those stores.
+// - tagged_store publishes the payload alone (a relaxed store, no fence: a MEMBAR under a saturated memory system
+//   took microseconds, results/NOTES.md lesson 47); readers poll with ld_relaxed_u64 and trust only the payload.
+// Polling with relaxed loads and one fence.acq_rel after an acquire-worthy flag was slower on the H200 than
+// acquire polls (its MEMBAR lies on every waiting block's path: results/NOTES.md v4i).
 #ifndef TM_FLAG_SPIN_NS
 #define TM_FLAG_SPIN_NS 32
 #endif
-__device__ __forceinline__ void flag_release(unsigned long long* flag, uint32_t value, uint32_t payload) {
-  const unsigned long long w = (static_cast<unsigned long long>(value) << 32) | payload;
-  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(w) : "memory");
+__device__ __forceinline__ unsigned long long tagged(uint32_t tag, uint32_t payload) {
+  return (static_cast<unsigned long long>(tag) << 32) | payload;
 }
-// Returns the payload once the flag holds `value`.
-__device__ __forceinline__ uint32_t block_wait_flag(const unsigned long long* flag, uint32_t value) {
-  __shared__ uint32_t s_payload;
-  if (threadIdx.x == 0) {
-    unsigned long long w;
-    for (;;) {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(flag) : "memory");
-      if (static_cast<uint32_t>(w >> 32) == value) break;
-      __nanosleep(TM_FLAG_SPIN_NS);
-    }
-    s_payload = static_cast<uint32_t>(w);
-  }
-  __syncthreads();
-  return s_payload;
+__device__ __forceinline__ uint32_t tag_of(unsigned long long w) { return static_cast<uint32_t>(w >> 32); }
+__device__ __forceinline__ void flag_release(unsigned long long* flag, uint32_t tag, uint32_t payload) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(flag), "l"(tagged(tag, payload)) : "memory");
 }
-// Adds 1 to an arrival counter (release of what the block stored before, acquire of what earlier arrivals did);
-// returns the count before.
-__device__ __forceinline__ uint32_t counter_arrive(uint32_t* counter) {
-  uint32_t old;
-  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return old;
+__device__ __forceinline__ void tagged_store(unsigned long long* p, uint32_t tag, uint32_t payload) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(tagged(tag, payload)) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+  unsigned long long w;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
+  unsigned long long w;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(p) : "memory");
+  return w;
 }
 
 // ---- device helpers ---------------------------------------------------------------------------------------

@@ -214,24 +214,26 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 // gate-up blocks, and a routed block waits only for router blocks, which hold lower tickets and so are running
 // already: the grid progresses in whatever order the blocks start.
 //   router block (t, j): h = rmsnorm(x[t]) into its shared memory (norm.cuh: the bits tm_rmsnorm writes; j = 0
-//     also stores it to h); warp w computes the logit of expert 8 j + w into the scratch (with a shared-expert
-//     gate row, "expert" n_experts is that row: gate[t] = shared_gate(h), read by the down after this launch, so
-//     that the down's 2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 774.1 -> 790.8
-//     tok/s in one call, results/NOTES.md v4q); the last of the token's
-//     router blocks to arrive (an integer counter) runs router_topk_warp on the logits, writes ids/weights and
-//     raises ids_ready[t], with the ids packed beside the epoch when they fit. The same functions as
-//     router_kernel: the same bits.
+//     also stores it to h); warp w computes the logit of expert 8 j + w and stores it as a tagged word (the
+//     call's tag beside the float's bits, no fence) into the scratch (with a shared-expert gate row, "expert"
+//     n_experts is that row: gate[t] = shared_gate(h), read by the down after this launch, so that the down's
+//     2,048 shared warps no longer each read the 16 KB row and h from L2: H200, 774.1 -> 790.8 tok/s in one call,
+//     results/NOTES.md v4q). Block j = 0 then releases h_ready[t] (its h) and its warp 0 polls the token's
+//     tagged logits until all carry the tag, runs router_topk_warp on them, writes ids/weights and stores the ids
+//     packed beside the tag into ids_ready[t]. The same functions as router_kernel: the same bits. (An arrival
+//     counter and a last-arrival release had put two fences on this path: 4.3 us from the logits to the ids
+//     under the shared blocks' stream, results/NOTES.md lesson 47.)
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
 //     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
-//   routed block: waits for ids_ready[t] (which implies h: router block 0 stored h before its arrival, a release
-//     the last arrival acquired before raising the flag), takes its slot's expert id from the flag (or from ids
-//     beyond kIdsInFlag slots), then experts_gate_up_block.
+//   routed block: polls ids_ready[t] (relaxed) and h_ready[t] (acquire: then h is visible) in one loop, takes
+//     its slot's expert id from the ids word, then experts_gate_up_block. Beyond kIdsInFlag slots block 0
+//     releases h_ready after ids instead, and the routed blocks wait for it alone and read ids.
 // Nothing is cleared at the end of a call (that took every block one more atomic round trip): the ticket word
 // holds the call's epoch beside the count (one 64-bit atomic returns both), the block with the last ticket starts
-// the next epoch at count 0, flags are raised to the epoch + 1 (a value older calls never wrote, within 2^32
-// calls) and the last arrival resets its token's counter. Calls of one scratch run one after another (a stream),
-// so no block of the next call reads these words before every block of this one has.
+// the next epoch at count 0, and every flag and logit is tagged with the epoch + 1 (a value older calls never
+// wrote, within 2^32 calls). Calls of one scratch run one after another (a stream), so no block of the next call
+// reads these words before every block of this one has.
 struct RouterArgs {
   const float* x;
   const float* norm_w;
@@ -251,32 +253,28 @@ __host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* g
 }
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
-// 64 bits), then per token the 32-bit arrival counters and the 64-bit ids_ready flags, each group on 128-byte
-// lines of its own (the flag pollers then never share a line with the counters' atomics), then the float logits
-// [n_tokens, n_experts].
+// 64 bits; its atomics on 256 bytes of their own), then per token the 64-bit ids_ready and h_ready flags, each
+// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each).
 struct RouterSync {
   unsigned long long* ticket;
-  uint32_t* arrived;
-  unsigned long long* ids_ready;  // (epoch + 1) << 32 | packed_ids(the token's ids) once they are written
-  float* logits;
+  unsigned long long* ids_ready;  // tag << 32 | packed_ids(the token's ids) once they are written
+  unsigned long long* h_ready;    // tag << 32: h[t] (and beyond kIdsInFlag slots ids) released
+  unsigned long long* logits;     // tag << 32 | the logit's float bits
 };
 __device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
-  uint32_t* flags = scratch + 64;
-  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags,
-                    reinterpret_cast<unsigned long long*>(flags + group), reinterpret_cast<float*>(flags + 3 * group)};
+  auto* flags = reinterpret_cast<unsigned long long*>(scratch + 64);
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group};
 }
-// A token's expert ids in its ids_ready flag (8 bits each, slot s at bit 8 s) when they fit: a routed block then
-// has its expert id from the load it polls the flag with, one dependent L2 round trip before its first weight
-// load less than reading ids[] after the wait. Else (more than 4 slots) the payload is 0 and blocks read ids[].
+// A token's expert ids in its ids_ready word (8 bits each, slot s at bit 8 s) when they fit: a routed block then
+// has its expert id from the load it polls with. Else (more than 4 slots) the payload is 0 and blocks read ids[].
 #ifndef TM_IDS_IN_FLAG  // a measurement knob: 0 packs none (blocks read ids[], the same bits)
 #define TM_IDS_IN_FLAG 4
 #endif
 constexpr int64_t kIdsInFlag = TM_IDS_IN_FLAG;
 __device__ __forceinline__ uint32_t packed_ids(const Pick* list, int64_t top_k) {
   uint32_t w = 0;
-  if (top_k <= kIdsInFlag)
-    for (int64_t r = 0; r < top_k; ++r) w |= (static_cast<uint32_t>(list[r].id) & 0xffu) << (8 * r);
+  for (int64_t r = 0; r < top_k; ++r) w |= (static_cast<uint32_t>(list[r].id) & 0xffu) << (8 * r);
   return w;
 }
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
@@ -289,9 +287,8 @@ __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t t
 
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
                                              int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
-  __shared__ int s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* logits = sy.logits + t * ra.n_experts;
+  unsigned long long* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
   float* norm = hbuf + router_h_floats(hidden);
   Pick* list = reinterpret_cast<Pick*>(norm + kNormWarps + 4);
@@ -307,25 +304,67 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
       if (gate_row)
         ra.gate[t] = sigmoid_f32(v);
       else
-        logits[e] = v;
+        tagged_store(logits + e, raised, __float_as_uint(v));
+    }
+  }
+  stamp(3);
+  if (j != 0) return;
+  const bool ids_in_flag = ra.top_k <= kIdsInFlag;
+  __syncthreads();  // block 0's h stored by all its threads: released here, by a warp the top-k does not hold up
+  if (ids_in_flag && warp == 1 && lane == 0) flag_release(sy.h_ready + t, raised, 0);
+  if (warp != 0) return;
+  // The token's logits, once every router block of it has stored its own (they hold lower tickets: running).
+  float l[2] = {0.0f, 0.0f};
+  for (;;) {
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int64_t ek = lane + 32 * k;
+      if (ek < ra.n_experts) {
+        const unsigned long long w = ld_relaxed_u64(logits + ek);
+        ok = ok && tag_of(w) == raised;
+        l[k] = __uint_as_float(static_cast<uint32_t>(w));
+      }
+    }
+    if (__all_sync(kFullMask, ok)) break;
+    __nanosleep(TM_FLAG_SPIN_NS);
+  }
+  router_topk_warp(l[0], l[1], ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
+                   ra.weights + t * ra.top_k);
+  if (lane == 0) {  // lane 0 wrote ids and weights (for the down, after this launch) and the picks
+    if (ids_in_flag)
+      tagged_store(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));
+    else
+      flag_release(sy.h_ready + t, raised, 0);  // h and ids
+  }
+}
+
+// A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
+// relaxed load first, so both are in flight at once). Returns the ids word's payload; every thread of the block
+// sees h (and ids[]) after it.
+__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag) {
+  __shared__ uint32_t s_ids;
+  if (threadIdx.x == 0) {
+    for (;;) {
+      const unsigned long long w = ids_in_flag ? ld_relaxed_u64(sy.ids_ready + t) : tagged(raised, 0);
+      const unsigned long long f = ld_acquire_u64(sy.h_ready + t);
+      if (tag_of(w) == raised && tag_of(f) == raised) {
+        s_ids = static_cast<uint32_t>(w);
+        break;
+      }
+      __nanosleep(TM_FLAG_SPIN_NS);
     }
   }
   __syncthreads();
-  // Release of this block's logits (and of block 0's h) and, for the last to arrive, acquire of every other's.
-  if (threadIdx.x == 0) {
-    s_last = counter_arrive(sy.arrived + t) == router_blocks_per_token(router_rows(ra.n_experts, ra.gate_inp)) - 1;
-    if (s_last) sy.arrived[t] = 0;  // every other arrival of this call is in: the counter for the next one
-    stamp(3);
-  }
-  __syncthreads();
-  if (s_last && warp == 0) {
-    const float l0 = lane < ra.n_experts ? __ldcg(logits + lane) : 0.0f;
-    const float l1 = lane + 32 < ra.n_experts ? __ldcg(logits + lane + 32) : 0.0f;
-    router_topk_warp(l0, l1, ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
-                     ra.weights + t * ra.top_k);
-    if (lane == 0) flag_release(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));  // lane 0 wrote them
-  }
+  return s_ids;
 }
+
+// A measurement knob (1: the shared blocks ask for their rows in L2 after pdl_wait, so that DRAM works during
+// their norm, which takes ~1.5 us with no weight byte in flight; results/NOTES.md lesson 47).
+#ifndef TM_SHARED_ROWS_L2_DURING_NORM
+#define TM_SHARED_ROWS_L2_DURING_NORM 0
+#endif
+constexpr bool kSharedRowsL2DuringNorm = TM_SHARED_ROWS_L2_DURING_NORM;
 
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
@@ -351,6 +390,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp_role(1);
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
+    if (kSharedRowsL2DuringNorm) {
+      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+      if (r < sh.ffn) {
+        prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
+        prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
+      }
+    }
     float* hbuf = rg_smem;
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
     stamp(3);
@@ -378,9 +424,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
-  const uint32_t ids = block_wait_flag(sy.ids_ready + t, raised);
+  const bool ids_in_flag = rt.top_k <= kIdsInFlag;
+  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
   stamp(3);
-  const int e = rt.top_k <= kIdsInFlag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
+  const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }

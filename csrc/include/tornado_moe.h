@@ -178,11 +178,11 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
                               int64_t ffn, int64_t hidden, void* stream);
 
-/* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 3 * (n_tokens rounded up to 32)
- * synchronisation words (a ticket word, 32-bit counters and 64-bit flags, each group on 128-byte lines of its
- * own), then n_tokens * n_experts router logits. */
+/* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 4 * (n_tokens rounded up to 32)
+ * synchronisation words (a ticket word, then two groups of 64-bit flags, each on 128-byte lines of its own),
+ * then n_tokens * n_experts router logits of 64 bits (each tagged with the call). */
 static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return 64 + 3 * ((n_tokens + 31) / 32 * 32) + n_tokens * n_experts;
+  return 64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts;
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
