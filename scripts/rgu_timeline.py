@@ -36,6 +36,7 @@ ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
 ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
 ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
+TOPK_STEPS = ("poll start", "logits in", "softmax", "picks", "ids stored")  # role 4, the last row
 
 
 def timeline_reader() -> ctypes._CFuncPtr:
@@ -75,6 +76,9 @@ def summarize(rows: np.ndarray) -> dict:
             out[name][ev] = [float(col.min()), float(np.median(col)), float(col.max())]
         out[name]["waiting_us_median"] = float(np.median(sel[:, 3] - sel[:, 2]))
         out[name]["streaming_us_median"] = float(np.median(sel[:, 4] - sel[:, 3]))
+    topk = rel[role == 4]
+    if len(topk):  # the publishing router block's top-k: poll start, logits in, softmax, picks, ids stored
+        out["topk"] = [float(v) for v in topk[0]]
     if "router" in out and "routed" in out:
         router_done = out["router"]["end"][2]
         out["routed_started_before_the_ids"] = int((rel[role == 2][:, 2] < router_done).sum())
@@ -121,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         stream = statistics.median(s[name]["streaming_us_median"] for s in samples)
         print(f"    waiting (inputs_ready - role_known), median {wait:.2f} us; "
               f"streaming (end - inputs_ready), median {stream:.2f} us")
+    if "topk" in samples[-1]:
+        steps = [statistics.median(s["topk"][i] for s in samples) for i in range(5)]
+        print("  top-k (router block 0): " + ", ".join(
+            f"{name} {v:.2f}" for name, v in zip(TOPK_STEPS, steps, strict=True)))
     if "routed_started_before_the_ids" in samples[-1]:
         print(f"  routed blocks that had their ticket before the last router block ended: "
               f"{statistics.median(s['routed_started_before_the_ids'] for s in samples)}")

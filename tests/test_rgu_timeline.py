@@ -25,7 +25,8 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     base = 5 * 10**12  # the global timer in ns
     blocks = [(0, [0, 100, 200, 1500, 6000]), (1, [50, 150, 150, 900, 4000]), (1, [60, 160, 160, 950, 4200]),
               (2, [70, 170, 300, 6100, 9000]), (2, [4000, 4100, 4200, 6200, 9500]),
-              (3, [8000, 9800, 9800, 9900, 12000])]  # a block of the down launch after it
+              (3, [8000, 9800, 9800, 9900, 12000]),  # a block of the down launch after it
+              (4, [1600, 2500, 3000, 3400, 3500])]  # the top-k's steps
     rows = np.zeros(len(blocks) + 2, dtype=tl.ROW)  # two rows no block stamped
     for i, (role, t) in enumerate(blocks):
         rows[i]["t"] = [base + x for x in t]
@@ -33,6 +34,7 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     assert tl.ROW.itemsize == 48  # moe.cu's TimelineRow
     s = tl.summarize(rows[rows["t"][:, 0] > 0])
     assert s["blocks"] == 5 and s["span_us"] == pytest.approx(9.5)  # the gate-up launch's, without the down
+    assert s["topk"] == pytest.approx([1.6, 2.5, 3.0, 3.4, 3.5])
     assert s["down"]["blocks"] == 1 and s["down"]["after_wait"] == pytest.approx([9.8] * 3)
     assert s["router"]["end"] == pytest.approx([6.0, 6.0, 6.0])
     assert s["shared"]["blocks"] == 2 and s["shared"]["inputs_ready"] == pytest.approx([0.9, 0.925, 0.95])

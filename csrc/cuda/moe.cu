@@ -30,6 +30,20 @@
  * shared memory; the gate-up does not (gate_up_block says why). Routed rows
  * depend on the router's output and are not prefetched (prefetching them once the ids are read was slower).
  */
+#ifndef TM_RGU_TIMELINE
+#define TM_RGU_TIMELINE 0
+#endif
+#if TM_RGU_TIMELINE  // the top-k's steps in the last timeline row (see TM_RGU_TIMELINE below)
+namespace tm_cuda {
+__device__ unsigned long long rgu_topk_ns[5];
+}
+#define TM_TOPK_STAMP(k) \
+  do {                   \
+    unsigned long long ns_;                                   \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_));   \
+    if ((threadIdx.x & 31) == 0) rgu_topk_ns[k] = ns_;        \
+  } while (0)
+#endif
 #include "norm.cuh"
 #include "router.cuh"
 
@@ -141,9 +155,6 @@ constexpr int kGateNone = -1;
 // of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; inputs ready: warp 0's row copy
 // landed), on the same clock. tm_cuda_rgu_timeline copies the rows out and clears them
 // (scripts/rgu_timeline.py). Without the flag the stamps are empty and the kernels are the product's, bit for bit.
-#ifndef TM_RGU_TIMELINE
-#define TM_RGU_TIMELINE 0
-#endif
 #if TM_RGU_TIMELINE
 constexpr int kTimelineRows = 8192;
 constexpr uint32_t kDownTimelineRow0 = 4096;
@@ -313,6 +324,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   __syncthreads();  // block 0's h stored by all its threads: released here, by a warp the top-k does not hold up
   if (ids_in_flag && warp == 1 && lane == 0) flag_release(sy.h_ready + t, raised, 0);
   if (warp != 0) return;
+  TM_TOPK_STAMP(0);
   // The token's logits, once every router block of it has stored its own (they hold lower tickets: running).
   float l[2] = {0.0f, 0.0f};
   for (;;) {
@@ -329,6 +341,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     if (__all_sync(kFullMask, ok)) break;
     __nanosleep(TM_FLAG_SPIN_NS);
   }
+  TM_TOPK_STAMP(1);
   router_topk_warp(l[0], l[1], ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                    ra.weights + t * ra.top_k);
   if (lane == 0) {  // lane 0 wrote ids and weights (for the down, after this launch) and the picks
@@ -337,6 +350,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
     else
       flag_release(sy.h_ready + t, raised, 0);  // h and ids
   }
+  TM_TOPK_STAMP(4);
 }
 
 // A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
@@ -911,7 +925,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
 #if TM_RGU_TIMELINE
 // The measurement build's timeline rows (see TM_RGU_TIMELINE above): up to `rows` of them into host memory
 // (TimelineRow: t[5], role, SM), then every row zeroed (rows no later launch stamps, e.g. a prefill's larger
-// grid, would otherwise look like the next launch's). Returns the rows copied, or -1.
+// grid, would otherwise look like the next launch's); with all rows, the last one holds the latest top-k's steps
+// instead (role 4: poll start, logits in, softmax, picks, ids stored). Returns the rows copied, or -1.
 extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
   const int64_t n = rows < kTimelineRows ? rows : kTimelineRows;
   void* dev = nullptr;
@@ -920,6 +935,12 @@ extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
       cudaGetSymbolAddress(&dev, rgu_timeline) != cudaSuccess ||
       cudaMemset(dev, 0, sizeof(rgu_timeline)) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
     return -1;
+  if (n == kTimelineRows) {  // the last row: the latest top-k's steps (role 4), over what blocks stamped there
+    TimelineRow& last = static_cast<TimelineRow*>(host)[n - 1];
+    if (cudaMemcpyFromSymbol(last.t, rgu_topk_ns, sizeof(last.t)) != cudaSuccess) return -1;
+    last.role = 4;
+    last.sm = 0;
+  }
   return n;
 }
 #endif

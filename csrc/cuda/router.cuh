@@ -17,6 +17,12 @@
 
 namespace tm_cuda {
 
+// A measurement hook: moe.cu's timeline build (-DTM_RGU_TIMELINE=1) defines it before including this file to stamp
+// the steps of router_topk_warp; empty otherwise.
+#ifndef TM_TOPK_STAMP
+#define TM_TOPK_STAMP(k)
+#endif
+
 struct Pick {
   float p;
   int id;
@@ -84,6 +90,7 @@ __device__ __forceinline__ void router_topk_warp(float l0, float l1, int64_t n_e
   }
 #pragma unroll
   for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(e[j], z);  // e[j]: the same expf of the same value
+  TM_TOPK_STAMP(2);
   float last_key = INFINITY;
   int last_id = -1;  // nothing ranks before (+inf, -1)
   for (int64_t r = 0; r < top_k; ++r) {
@@ -104,6 +111,7 @@ __device__ __forceinline__ void router_topk_warp(float l0, float l1, int64_t n_e
     last_key = bk;
     last_id = bi;
   }
+  TM_TOPK_STAMP(3);
   if (lane == 0) write_picks(list, top_k, normalize, ids, weights);
 }
 
