@@ -344,7 +344,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   TM_TOPK_STAMP(1);
   router_topk_warp(l[0], l[1], ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                    ra.weights + t * ra.top_k);
-  if (lane == 0) {  // the warp wrote ids and weights (for the down, after this launch) and the picks
+  if (lane == 0) {  // lane 0 wrote ids and weights (for the down, after this launch) and the picks
     if (ids_in_flag)
       tagged_store(sy.ids_ready + t, raised, packed_ids(list, ra.top_k));
     else

@@ -65,29 +65,11 @@ __device__ __forceinline__ void write_picks(const Pick* list, int64_t top_k, int
   }
 }
 
-// The pick order as one unsigned integer (larger = ranks before, ids apart): 0 for no candidate, 1 for a NaN
-// probability, 2 + the float's bits for p >= +0 (p = e / Z is never -0: expf is never negative), whose unsigned
-// order is the float order. So a warp-wide redux.sync max finds the best key in one instruction.
-__device__ __forceinline__ uint32_t pick_code(float p) { return isnan(p) ? 1u : __float_as_uint(p) + 2u; }
-// A float's order as an unsigned integer (-inf lowest); for max only (NaN never reaches it here).
-__device__ __forceinline__ uint32_t float_order(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
-}
-__device__ __forceinline__ float float_of_order(uint32_t o) {
-  return __uint_as_float((o & 0x80000000u) ? o & 0x7fffffffu : ~o);
-}
-
 // One warp, n_experts <= 64: lane l holds the logits of experts l (l0) and 32 + l (l1; either may be anything
 // past n_experts). Passes 1-3 of router.cu in registers: M = max (order-free), Z = the 32-expert group sums
-// (warp_sum) added in increasing group order, p = exp(l - M) / Z, then top_k rounds, each taking the best
-// candidate ranked after the previous pick. The same operations on the same values as router.cu's block passes,
-// so the same bits. M and each round's best come from redux.sync (one instruction where a shuffle tree takes five
-// dependent steps: beside streaming blocks the tree version took 2.9 us on the H200, results/NOTES.md lesson 48):
-// M's value is the tree's (only the sign of a zero M may differ, and l - (+0) and l - (-0) have the same expf),
-// and the round's winner is the one warp_best gives (the best code, then the lowest id among equal codes: codes
-// are equal exactly when the keys are). list: top_k Picks of scratch (shared memory); ids, weights: the token's
-// outputs, written by lanes r < top_k (the weights from the serial sum of the picks in pick order).
+// (warp_sum) added in increasing group order, p = exp(l - M) / Z, then top_k rounds of warp_best, each taking the
+// best candidate ranked after the previous pick. The same operations on the same values as router.cu's block
+// passes, so the same bits. list: top_k Picks of scratch (shared memory); ids, weights: the token's outputs.
 __device__ __forceinline__ void router_topk_warp(float l0, float l1, int64_t n_experts, int64_t top_k, int normalize,
                                                  Pick* list, int32_t* ids, float* weights) {
   const int lane = threadIdx.x & 31;
@@ -96,9 +78,9 @@ __device__ __forceinline__ void router_topk_warp(float l0, float l1, int64_t n_e
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (lane + 32 * j >= n_experts) l[j] = -INFINITY;
-    m = fmaxf(m, l[j]);  // never NaN (fmaxf drops a NaN operand; m starts at -inf)
+    m = fmaxf(m, l[j]);
   }
-  m = float_of_order(__reduce_max_sync(kFullMask, float_order(m)));
+  m = warp_max(m);
   float z = 0.0f;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -106,43 +88,31 @@ __device__ __forceinline__ void router_topk_warp(float l0, float l1, int64_t n_e
     const float gs = warp_sum(e[j]);
     if (32 * j < n_experts) z = __fadd_rn(z, gs);
   }
-  uint32_t code[2];
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    p[j] = __fdiv_rn(e[j], z);  // e[j]: the same expf of the same value
-    code[j] = lane + 32 * j < n_experts ? pick_code(p[j]) : 0u;
-  }
+  for (int j = 0; j < 2; ++j) p[j] = __fdiv_rn(e[j], z);  // e[j]: the same expf of the same value
   TM_TOPK_STAMP(2);
-  uint32_t last_code = UINT_MAX;
-  int last_id = -1;  // nothing ranks before (UINT_MAX, -1)
-  float sum = 0.0f;
+  float last_key = INFINITY;
+  int last_id = -1;  // nothing ranks before (+inf, -1)
   for (int64_t r = 0; r < top_k; ++r) {
-    uint32_t bc = 0;  // this lane's best candidate ranked after the last pick, or none (code 0)
+    float bk = -2.0f;  // below every key: any candidate beats it
     int bi = INT_MAX;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int id = lane + 32 * j;
-      const bool after = code[j] < last_code || (code[j] == last_code && id > last_id);
-      if (code[j] != 0u && after && (code[j] > bc || (code[j] == bc && id < bi))) {
-        bc = code[j];
+      const float k = pick_key(p[j]);
+      if (id < n_experts && ranks_before(last_key, last_id, k, id) && ranks_before(k, id, bk, bi)) {
+        bk = k;
         bi = id;
       }
     }
-    const uint32_t best = __reduce_max_sync(kFullMask, bc);
-    const int id = static_cast<int>(__reduce_min_sync(kFullMask, bc == best ? static_cast<uint32_t>(bi) : UINT_MAX));
-    const float pw = __shfl_sync(kFullMask, id < 32 ? p[0] : p[1], id & 31);
-    if (lane == 0) list[r] = Pick{pw, id};
-    if (normalize) sum = __fadd_rn(sum, pw);  // write_picks' serial sum, in pick order
-    last_code = best;
-    last_id = id;
+    warp_best(bk, bi);
+    const float pw = __shfl_sync(kFullMask, bi < 32 ? p[0] : p[1], bi & 31);
+    if (lane == 0) list[r] = Pick{pw, bi};
+    last_key = bk;
+    last_id = bi;
   }
   TM_TOPK_STAMP(3);
-  __syncwarp();  // lane 0's picks, for every lane
-  for (int64_t r = lane; r < top_k; r += 32) {
-    ids[r] = list[r].id;
-    weights[r] = normalize ? __fdiv_rn(list[r].p, sum) : list[r].p;
-  }
-  __syncwarp();  // the lanes' stores ordered before whatever lane 0 releases next
+  if (lane == 0) write_picks(list, top_k, normalize, ids, weights);
 }
 
 }  // namespace tm_cuda
