@@ -373,13 +373,6 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A measurement knob (1: the shared blocks ask for their rows in L2 after pdl_wait, so that DRAM works during
-// their norm, which takes ~1.5 us with no weight byte in flight; results/NOTES.md lesson 47).
-#ifndef TM_SHARED_ROWS_L2_DURING_NORM
-#define TM_SHARED_ROWS_L2_DURING_NORM 0
-#endif
-constexpr bool kSharedRowsL2DuringNorm = TM_SHARED_ROWS_L2_DURING_NORM;
-
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -404,13 +397,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp_role(1);
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
-    if (kSharedRowsL2DuringNorm) {
-      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
-      if (r < sh.ffn) {
-        prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
-        prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
-      }
-    }
     float* hbuf = rg_smem;
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
     stamp(3);
