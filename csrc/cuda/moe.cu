@@ -232,8 +232,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //     results/NOTES.md v4q). Block j = 0 then releases h_ready[t] (its h) and its warp 0 polls the token's
 //     tagged logits until all carry the tag, runs router_topk_warp on them, writes ids/weights and stores the ids
 //     packed beside the tag into ids_ready[t]. The same functions as router_kernel: the same bits. (An arrival
-//     counter and a last-arrival release had put two fences on this path: 4.3 us from the logits to the ids
-//     under the shared blocks' stream, results/NOTES.md lesson 47.)
+//     counter and a last-arrival release had put two fences on this path: H200, the ids 1.2 us later and
+//     805.4 against 812.5 tok/s in one call, results/NOTES.md v4r and lesson 47.)
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
 //     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
