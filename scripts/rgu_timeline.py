@@ -76,6 +76,12 @@ def summarize(rows: np.ndarray) -> dict:
             out[name][ev] = [float(col.min()), float(np.median(col)), float(col.max())]
         out[name]["waiting_us_median"] = float(np.median(sel[:, 3] - sel[:, 2]))
         out[name]["streaming_us_median"] = float(np.median(sel[:, 4] - sel[:, 3]))
+    # The gate-up launch's blocks on the GPU each microsecond: resident (started, not ended) and streaming
+    # (inputs in hand, not ended): where slots sit idle (waiting blocks, the tail).
+    g = rel[gate_up]
+    at = np.arange(0.0, out["span_us"], 1.0)
+    out["occupancy"] = [[float(x), int(((g[:, 0] <= x) & (g[:, 4] > x)).sum()),
+                         int(((g[:, 3] <= x) & (g[:, 4] > x)).sum())] for x in at]
     topk = rel[role == 4]
     if len(topk):  # the publishing router block's top-k: poll start, logits in, softmax, picks, ids stored
         out["topk"] = [float(v) for v in topk[0]]
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = [statistics.median(s["topk"][i] for s in samples) for i in range(5)]
         print("  top-k (router block 0): " + ", ".join(
             f"{name} {v:.2f}" for name, v in zip(TOPK_STEPS, steps, strict=True)))
+    occ = samples[-1]["occupancy"]
+    print("  gate-up blocks resident / streaming each us (last step): " +
+          " ".join(f"{x:.0f}:{r}/{st}" for x, r, st in occ))
     if "routed_started_before_the_ids" in samples[-1]:
         print(f"  routed blocks that had their ticket before the last router block ended: "
               f"{statistics.median(s['routed_started_before_the_ids'] for s in samples)}")

@@ -35,6 +35,9 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     s = tl.summarize(rows[rows["t"][:, 0] > 0])
     assert s["blocks"] == 5 and s["span_us"] == pytest.approx(9.5)  # the gate-up launch's, without the down
     assert s["topk"] == pytest.approx([1.6, 2.5, 3.0, 3.4, 3.5])
+    # at 4 us: the router block, the second shared one and both routed ones (the second starts at 4.0) are
+    # resident, the first shared one has just ended; of them the router and shared blocks have inputs
+    assert s["occupancy"][4] == [4.0, 4, 2] and s["occupancy"][0] == [0.0, 1, 0] and len(s["occupancy"]) == 10
     assert s["down"]["blocks"] == 1 and s["down"]["after_wait"] == pytest.approx([9.8] * 3)
     assert s["router"]["end"] == pytest.approx([6.0, 6.0, 6.0])
     assert s["shared"]["blocks"] == 2 and s["shared"]["inputs_ready"] == pytest.approx([0.9, 0.925, 0.95])
