@@ -353,15 +353,31 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   TM_TOPK_STAMP(4);
 }
 
+// A measurement knob, compiled but not yet run on a GPU (results/NOTES.md lesson 49): 1 makes a block that is
+// likely routed (by blockIdx) read its token's ids word and h_ready beside its ticket atomic, for the token its
+// blockIdx suggests, so that a block starting after the ids are out skips the poll's round trip (at 461e6fe the
+// blocks starting late spent ~1 us on ticket and poll). A wrong guess only costs the poll it would have made.
+#ifndef TM_RGU_PEEK_IDS
+#define TM_RGU_PEEK_IDS 0
+#endif
+constexpr bool kPeekIdsWithTicket = TM_RGU_PEEK_IDS;
+
 // A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
 // relaxed load first, so both are in flight at once). Returns the ids word's payload; every thread of the block
-// sees h (and ids[]) after it.
-__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag) {
+// sees h (and ids[]) after it. Thread 0's peek (kPeekIdsWithTicket): both words as read beside the ticket, for
+// token peek_t, tried first (an acquire load that read the released tag orders the reads after it the same).
+__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag,
+                                                uint32_t peek_t, unsigned long long peek_ids,
+                                                unsigned long long peek_h) {
   __shared__ uint32_t s_ids;
   if (threadIdx.x == 0) {
+    bool peeked = kPeekIdsWithTicket && t == peek_t;
     for (;;) {
-      const unsigned long long w = ids_in_flag ? ld_relaxed_u64(sy.ids_ready + t) : tagged(raised, 0);
-      const unsigned long long f = ld_acquire_u64(sy.h_ready + t);
+      const unsigned long long w = !ids_in_flag ? tagged(raised, 0)
+                                   : peeked     ? peek_ids
+                                                : ld_relaxed_u64(sy.ids_ready + t);
+      const unsigned long long f = peeked ? peek_h : ld_acquire_u64(sy.h_ready + t);
+      peeked = false;
       if (tag_of(w) == raised && tag_of(f) == raised) {
         s_ids = static_cast<uint32_t>(w);
         break;
@@ -405,8 +421,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const RouterSync sy = router_sync(sync, n_tokens);
+  const uint32_t slots = static_cast<uint32_t>(rt.slot_count);
+  uint32_t peek_t = 0;  // thread 0's peek (kPeekIdsWithTicket)
+  unsigned long long peek_ids = 0, peek_h = 0;
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
+    if (kPeekIdsWithTicket && blockIdx.x >= router_blocks + sh_blocks) {  // issued before the ticket returns
+      peek_t = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots;
+      peek_ids = ld_relaxed_u64(sy.ids_ready + peek_t);
+      peek_h = ld_acquire_u64(sy.h_ready + peek_t);
+    }
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
     // Every other ticketed block of this call has its ticket: the next call's epoch, from count 0.
     if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
@@ -423,9 +447,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
-  const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
+  const uint32_t t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
+  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, peek_t, peek_ids, peek_h);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
