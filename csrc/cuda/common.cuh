@@ -191,8 +191,8 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
 //   ld_acquire_u64, after which all its threads (past a barrier) see those stores.
 // - tagged_store publishes the payload alone (a relaxed store, no fence: a MEMBAR under a saturated memory system
 //   took microseconds, results/NOTES.md lesson 47); readers poll with ld_relaxed_u64 and trust only the payload.
-// Polling with relaxed loads and one fence.acq_rel after an acquire-worthy flag was slower on the H200 than
-// acquire polls (its MEMBAR lies on every waiting block's path: results/NOTES.md v4i).
+// Polling a released flag with relaxed loads and one fence.acq_rel after was slower on the H200 than polling it
+// with acquire loads (the MEMBAR lies on every waiting block's path: results/NOTES.md v4i).
 #ifndef TM_FLAG_SPIN_NS
 #define TM_FLAG_SPIN_NS 32
 #endif

@@ -30,20 +30,76 @@
  * shared memory; the gate-up does not (gate_up_block says why). Routed rows
  * depend on the router's output and are not prefetched (prefetching them once the ids are read was slower).
  */
+#include <cstdint>
+
+namespace tm_cuda {
+namespace {
+// ---- a measurement build only (-DTM_RGU_TIMELINE=1; results/NOTES.md lesson 46 a) ----
+// Per block of the latest router_experts_gate_up launch: the global timer (ns) at its start, after pdl_wait,
+// when its role is known, when its inputs are ready (shared: h normalised; router: its logits stored; routed:
+// the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM. The blocks
+// of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; inputs ready: warp 0's row copy
+// landed), on the same clock, and the last row (no decode block reaches it) holds router_topk_warp's steps (role 4,
+// through router.cuh's TM_TOPK_STAMP hook: poll start, logits in, softmax, picks, ids stored).
+// tm_cuda_rgu_timeline copies the rows out and clears them (scripts/rgu_timeline.py). Without the flag the stamps
+// are empty and the kernels are the product's, bit for bit.
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
 #endif
-#if TM_RGU_TIMELINE  // the top-k's steps in the last timeline row (see TM_RGU_TIMELINE below)
-namespace tm_cuda {
-__device__ unsigned long long rgu_topk_ns[5];
+#if TM_RGU_TIMELINE
+constexpr int kTimelineRows = 8192;
+constexpr uint32_t kDownTimelineRow0 = 4096;
+struct TimelineRow {
+  unsigned long long t[5];
+  uint32_t role, sm;
+};
+static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
+__device__ TimelineRow rgu_timeline[kTimelineRows];
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
-#define TM_TOPK_STAMP(k) \
-  do {                   \
-    unsigned long long ns_;                                   \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_));   \
-    if ((threadIdx.x & 31) == 0) rgu_topk_ns[k] = ns_;        \
-  } while (0)
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
+// row0: kDownTimelineRow0 for the down's blocks (its first token's only)
+__device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) rgu_timeline[r].t[k] = global_ns();
+}
+__device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) {
+    rgu_timeline[r].role = role;
+    rgu_timeline[r].sm = sm_id();
+  }
+}
+// The end of the block's last warp (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
+__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
+  if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[4], global_ns());
+}
+// One step of the publishing router block's top-k, by lane 0 of its warp.
+__device__ __forceinline__ void stamp_topk(int k) {
+  if ((threadIdx.x & 31) == 0) {
+    rgu_timeline[kTimelineRows - 1].t[k] = global_ns();
+    rgu_timeline[kTimelineRows - 1].role = 4;
+  }
+}
+#define TM_TOPK_STAMP(k) stamp_topk(k)
+#else
+__device__ __forceinline__ void stamp(int, uint32_t = 0) {}
+__device__ __forceinline__ void stamp_role(uint32_t, uint32_t = 0) {}
+__device__ __forceinline__ void stamp_end(uint32_t = 0) {}
+constexpr uint32_t kDownTimelineRow0 = 0;
 #endif
+
+}  // namespace
+}  // namespace tm_cuda
+
 #include "norm.cuh"
 #include "router.cuh"
 
@@ -147,56 +203,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
 constexpr int kGateNone = -1;
-
-// ---- a measurement build only (-DTM_RGU_TIMELINE=1; results/NOTES.md lesson 46 a) ----
-// Per block of the latest router_experts_gate_up launch: the global timer (ns) at its start, after pdl_wait,
-// when its role is known, when its inputs are ready (shared: h normalised; router: its arrival counted; routed:
-// the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM. The blocks
-// of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; inputs ready: warp 0's row copy
-// landed), on the same clock. tm_cuda_rgu_timeline copies the rows out and clears them
-// (scripts/rgu_timeline.py). Without the flag the stamps are empty and the kernels are the product's, bit for bit.
-#if TM_RGU_TIMELINE
-constexpr int kTimelineRows = 8192;
-constexpr uint32_t kDownTimelineRow0 = 4096;
-struct TimelineRow {
-  unsigned long long t[5];
-  uint32_t role, sm;
-};
-static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
-__device__ TimelineRow rgu_timeline[kTimelineRows];
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
-  return v;
-}
-// row0: kDownTimelineRow0 for the down's blocks (its first token's only)
-__device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
-  const uint32_t r = row0 + blockIdx.x;
-  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) rgu_timeline[r].t[k] = global_ns();
-}
-__device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) {
-  const uint32_t r = row0 + blockIdx.x;
-  if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) {
-    rgu_timeline[r].role = role;
-    rgu_timeline[r].sm = sm_id();
-  }
-}
-// The end of the block's last warp (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
-__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) {
-  const uint32_t r = row0 + blockIdx.x;
-  if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[4], global_ns());
-}
-#else
-__device__ __forceinline__ void stamp(int, uint32_t = 0) {}
-__device__ __forceinline__ void stamp_role(uint32_t, uint32_t = 0) {}
-__device__ __forceinline__ void stamp_end(uint32_t = 0) {}
-constexpr uint32_t kDownTimelineRow0 = 0;
-#endif
 
 // sigmoid(dot(gate_inp, h_t)) by one warp (qdot.cuh's float32-row dot, whose bits depend only on the length: the
 // same bits in every block and kernel that computes it, with h_t in global or in shared memory).
@@ -935,8 +941,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
 #if TM_RGU_TIMELINE
 // The measurement build's timeline rows (see TM_RGU_TIMELINE above): up to `rows` of them into host memory
 // (TimelineRow: t[5], role, SM), then every row zeroed (rows no later launch stamps, e.g. a prefill's larger
-// grid, would otherwise look like the next launch's); with all rows, the last one holds the latest top-k's steps
-// instead (role 4: poll start, logits in, softmax, picks, ids stored). Returns the rows copied, or -1.
+// grid, would otherwise look like the next launch's). Returns the rows copied, or -1.
 extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
   const int64_t n = rows < kTimelineRows ? rows : kTimelineRows;
   void* dev = nullptr;
@@ -945,12 +950,6 @@ extern "C" TM_API int64_t tm_cuda_rgu_timeline(void* host, int64_t rows) {
       cudaGetSymbolAddress(&dev, rgu_timeline) != cudaSuccess ||
       cudaMemset(dev, 0, sizeof(rgu_timeline)) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
     return -1;
-  if (n == kTimelineRows) {  // the last row: the latest top-k's steps (role 4), over what blocks stamped there
-    TimelineRow& last = static_cast<TimelineRow*>(host)[n - 1];
-    if (cudaMemcpyFromSymbol(last.t, rgu_topk_ns, sizeof(last.t)) != cudaSuccess) return -1;
-    last.role = 4;
-    last.sm = 0;
-  }
   return n;
 }
 #endif
