@@ -54,22 +54,30 @@ int ensure_dynamic_smem(const void* func, int64_t bytes, const char* kernel);
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
+// A kernel's launch configuration, with programmatic dependent launch when `pdl` (`attr`: the attribute's storage,
+// which must outlive the launch). Also what scripts/proto's experiments launch with.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                                        cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr->val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cfg;
+}
+
 // Every kernel is launched through launch(): with programmatic dependent launch (PDL) the next kernel of the
 // stream may start while this one drains, and every kernel follows one protocol (see pdl_wait below), so the
 // overlap never changes a result.
 template <typename... KArgs, typename... Args>
 int launch(const Limits& lim, const char* fn, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
            cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = lim.pdl ? 1 : 0;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, lim.pdl, &attr);
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) return tm_set_error(TM_ERR_CUDA, "%s: kernel launch failed: %s", fn, cudaGetErrorString(err));
   return launch_check(stream, fn);

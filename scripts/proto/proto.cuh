@@ -1,10 +1,13 @@
 // proto.cuh - what the standalone experiments in scripts/proto share: a CUDA call check that exits on failure,
-// and a launch under programmatic dependent launch as the product's kernels are launched.
+// and a launch under programmatic dependent launch as the product's kernels are launched (common.cuh's
+// configuration; the product's launch() itself reports through the library's error state, which they do not link).
 #ifndef TORNADO_MOE_PROTO_CUH
 #define TORNADO_MOE_PROTO_CUH
 
 #include <cstdio>
 #include <cstdlib>
+
+#include "common.cuh"
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -15,18 +18,12 @@
     }                                                                                         \
   } while (0)
 
+// common.cuh's launch configuration, with PDL always on.
 template <class K, class... Args>
 void launch_pdl(K kernel, int blocks, int threads, size_t smem, cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(threads));
+  const cudaLaunchConfig_t cfg = tm_cuda::launch_config(grid, block, smem, stream, true, &attr);
   CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
