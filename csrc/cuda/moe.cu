@@ -65,24 +65,23 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
   return v;
 }
-// Row `r` of the table (the *_at forms: a persistent block's work item), or row0 + blockIdx.x (row0:
-// kDownTimelineRow0 for the down's blocks, its first token's only).
-__device__ __forceinline__ void stamp_at(int k, uint32_t r) {
+// row0: kDownTimelineRow0 for the down's blocks (its first token's only)
+__device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
   if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) rgu_timeline[r].t[k] = global_ns();
 }
-__device__ __forceinline__ void stamp_role_at(uint32_t role, uint32_t r) {
+__device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
   if (threadIdx.x == 0 && blockIdx.y == 0 && r < kTimelineRows) {
     rgu_timeline[r].role = role;
     rgu_timeline[r].sm = sm_id();
   }
 }
 // The end of the block's last warp (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
-__device__ __forceinline__ void stamp_end_at(uint32_t r) {
+__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) {
+  const uint32_t r = row0 + blockIdx.x;
   if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[4], global_ns());
 }
-__device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) { stamp_at(k, row0 + blockIdx.x); }
-__device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) { stamp_role_at(role, row0 + blockIdx.x); }
-__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) { stamp_end_at(row0 + blockIdx.x); }
 // One step of the publishing router block's top-k, by lane 0 of its warp.
 __device__ __forceinline__ void stamp_topk(int k) {
   if ((threadIdx.x & 31) == 0) {
@@ -92,9 +91,6 @@ __device__ __forceinline__ void stamp_topk(int k) {
 }
 #define TM_TOPK_STAMP(k) stamp_topk(k)
 #else
-__device__ __forceinline__ void stamp_at(int, uint32_t) {}
-__device__ __forceinline__ void stamp_role_at(uint32_t, uint32_t) {}
-__device__ __forceinline__ void stamp_end_at(uint32_t) {}
 __device__ __forceinline__ void stamp(int, uint32_t = 0) {}
 __device__ __forceinline__ void stamp_role(uint32_t, uint32_t = 0) {}
 __device__ __forceinline__ void stamp_end(uint32_t = 0) {}
@@ -282,7 +278,7 @@ struct RouterSync {
   unsigned long long* h_ready;    // tag << 32: h[t] (and beyond kIdsInFlag slots ids) released
   unsigned long long* logits;     // tag << 32 | the logit's float bits
 };
-__host__ __device__ inline RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
+__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   auto* flags = reinterpret_cast<unsigned long long*>(scratch + 64);
   return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group};
@@ -307,8 +303,7 @@ __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t t
 }
 
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
-                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem,
-                                             uint32_t timeline_row) {
+                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned long long* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
@@ -329,7 +324,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
         tagged_store(logits + e, raised, __float_as_uint(v));
     }
   }
-  stamp_at(3, timeline_row);
+  stamp(3);
   if (j != 0) return;
   const bool ids_in_flag = ra.top_k <= kIdsInFlag;
   __syncthreads();  // block 0's h stored by all its threads: released here, by a warp the top-k does not hold up
@@ -453,7 +448,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp_role(b < router_blocks ? 0 : 2);
   stamp(2);
   if (b < router_blocks) {
-    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem, blockIdx.x);
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
     stamp_end();
     return;
   }
@@ -465,157 +460,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
-}
-
-// ---- router_experts_gate_up_kernel's work in a persistent grid (a measurement knob while it is measured:
-// TM_RGU_PERSISTENT=1, results/NOTES.md lesson 50) ----
-// The grid holds at most the blocks the SMs hold at once (TM_RGU_BLOCKS_PER_SM per SM, 0: the occupancy), and
-// each block runs work items one after another. The items are exactly the blocks of router_experts_gate_up_kernel's
-// grid, run by the same functions, so the results are those bits. Block b first runs shared item b - R (R router
-// items) when it holds one by blockIdx, with no ticket, as there; every other item comes from the ticket counter:
-// the router items, then the shared items no block holds by blockIdx, then the routed ones. A block keeps the h it
-// normalised (as a shared or router item) in shared memory with its token, and the token's ids once it has polled
-// them: its later items of that token neither normalise nor poll again, and a routed item on its own h needs no
-// h_ready. Why: at 461e6fe a late block spent ~1 us on its ticket and ~1 us on its poll before streaming 35 KB in
-// ~5 us (lesson 49). Deadlock-free as the grid it replaces: a block takes a ticket only when it starts that item,
-// so every router ticket below a routed one is held by a running block. Each block ends on one ticket past the
-// items, so the last of the n_items + gridDim.x tickets starts the next epoch.
-#ifndef TM_RGU_PERSISTENT
-#define TM_RGU_PERSISTENT 0
-#endif
-#ifndef TM_RGU_BLOCKS_PER_SM
-#define TM_RGU_BLOCKS_PER_SM 0
-#endif
-
-// router_block as a call of its own: inlined into the persistent kernel, its dot's registers made the gate-up's
-// loop spill; behind a call the two are allocated apart (the call costs a router item, not a gate-up item).
-__device__ __noinline__ void router_item(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
-                                         int64_t j, const RouterSync& sy, uint32_t raised, float* smem,
-                                         uint32_t timeline_row) {
-  router_block(ra, mode, h, hidden, t, j, sy, raised, smem, timeline_row);
-}
-
-// The item counts, computed by the launcher (kernel parameters cost no registers; the 64 registers hold the dot).
-struct PersistentItems {
-  uint32_t per_token;    // router items a token
-  uint32_t router;       // router items (tickets [0, router))
-  uint32_t shared;       // shared items (router_experts_gate_up_kernel's shared blocks)
-  uint32_t by_index;     // shared items [0, by_index) held by blocks router .. router + by_index - 1
-  uint32_t sh_ticketed;  // the others: tickets [router, router + sh_ticketed)
-  uint32_t n_items;      // ticketed items; then the routed ones, [router + sh_ticketed, n_items)
-  uint32_t last_ticket;  // n_items + grid - router - 1: every block that runs no router item ends on one more ticket
-};
-inline PersistentItems persistent_items(int64_t n_tokens, int64_t per_token, int64_t shared, int64_t routed,
-                                        int64_t grid) {
-  PersistentItems it{};
-  it.per_token = static_cast<uint32_t>(per_token);
-  it.router = static_cast<uint32_t>(n_tokens * per_token);
-  it.shared = static_cast<uint32_t>(shared);
-  const int64_t free_blocks = grid > it.router ? grid - it.router : 0;
-  it.by_index = static_cast<uint32_t>(free_blocks < shared ? free_blocks : shared);
-  it.sh_ticketed = it.shared - it.by_index;
-  it.n_items = static_cast<uint32_t>(it.router + it.sh_ticketed + routed);
-  it.last_ticket = static_cast<uint32_t>(it.n_items + grid - it.router - 1);
-  return it;
-}
-
-template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
-    router_experts_gate_up_persistent_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh,
-                                             const GateUpArgs rt, float* h, int64_t n_tokens, int64_t hidden,
-                                             int64_t nblocks, const RouterSync sy, const PersistentItems it) {
-  static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
-  extern __shared__ __align__(16) float rg_smem[];
-  // s_ticket alternates: a slow warp may still read the last one. s_h_token: the token whose h is in hbuf;
-  // s_ready_token: the token whose ids (s_ids) the block has polled. In shared memory, not registers (64
-  // registers hold the dot); thread 0 writes the two tokens only after a barrier that every thread passes once it
-  // has read them for this item, so all threads take the same branches.
-  __shared__ uint32_t s_ticket[2], s_raised, s_ids, s_h_token, s_ready_token;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const uint32_t per_token = it.per_token, router_items = it.router, sh_items = it.shared;
-  const uint32_t by_index = it.by_index, sh_ticketed = it.sh_ticketed, n_items = it.n_items;
-  const uint32_t slots = static_cast<uint32_t>(rt.slot_count);
-  if (blockIdx.x < router_items) {  // most likely a router item first: its router row and the norm weights into L2
-    const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
-    if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
-    else if (e == ra.n_experts && ra.gate_inp != nullptr) prefetch_row_l2(ra.gate_inp, hidden * 4, lane);
-    if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
-  }
-  pdl_begin();
-  const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-  float* hbuf = rg_smem;
-  if (threadIdx.x == 0) s_h_token = s_ready_token = ~0u;  // first read after a ticket's barrier
-  // One call site each for the norm and the gate-up dot: a second inlined dot made the 64-register kernel spill
-  // (lesson 44).
-  const bool first_by_index = blockIdx.x >= router_items && blockIdx.x - router_items < by_index;
-  uint32_t n = 0;
-  for (;; ++n) {
-    uint32_t b;  // the item as a ticket: router, ticketed shared, routed, or past the items
-    if (n == 0 && first_by_index) {
-      b = ~0u;
-    } else {
-      if (threadIdx.x == 0) {
-        const unsigned long long v = atomicAdd(sy.ticket, 1ull);
-        const uint32_t epoch = static_cast<uint32_t>(v >> 32), c = static_cast<uint32_t>(v);
-        if (c == it.last_ticket) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
-        s_ticket[n & 1] = c;
-        s_raised = epoch + 1;  // the same value at every ticket of the call
-      }
-      __syncthreads();
-      b = s_ticket[n & 1];
-      if (b >= n_items) break;
-    }
-    if (b < router_items) break;  // run after the loop: no loop state lives beside the router's dot (it spilled)
-    const uint32_t raised = s_raised;
-    const bool shared = b == ~0u || b < router_items + sh_ticketed;
-    // The item's index in router_experts_gate_up_kernel's gate-up numbering (shared items, then routed ones).
-    const uint32_t i = b == ~0u ? blockIdx.x - router_items
-                       : shared ? by_index + (b - router_items)
-                                : sh_items + (b - router_items - sh_ticketed);
-    const uint32_t row = router_items + i;
-    stamp_at(0, row);
-    stamp_at(1, row);
-    stamp_role_at(shared ? 1 : 2, row);
-    stamp_at(2, row);
-    const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, i);
-    const uint32_t t = shared ? p.pair : p.pair / slots;
-    const uint32_t held = b == ~0u ? ~0u : s_h_token;  // the first item: no barrier yet behind thread 0's init
-    const bool own_h = shared || held == t;
-    if (shared && held != t) {
-      block_rmsnorm(ra.x + t * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
-      if (threadIdx.x == 0) s_h_token = t;  // after the norm's last barrier
-    }
-    if (!shared && s_ready_token != t) {  // the ids word (when the ids fit in it) and, unless h is its own, h_ready
-      const bool need_flag = !ids_in_flag || !own_h;
-      if (threadIdx.x == 0) {
-        for (;;) {
-          const unsigned long long w = ids_in_flag ? ld_relaxed_u64(sy.ids_ready + t) : tagged(raised, 0);
-          const unsigned long long f = need_flag ? ld_acquire_u64(sy.h_ready + t) : tagged(raised, 0);
-          if (tag_of(w) == raised && tag_of(f) == raised) {
-            s_ids = static_cast<uint32_t>(w);
-            break;
-          }
-          __nanosleep(TM_FLAG_SPIN_NS);
-        }
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) s_ready_token = t;
-    }
-    stamp_at(3, row);
-    const int e = shared || !ids_in_flag ? -1 : static_cast<int>((s_ids >> (8 * (p.pair - t * slots))) & 0xffu);
-    const GateUpArgs a = shared ? sh : rt;
-    gate_up_block<F, V>(a, own_h ? hbuf : h, own_h ? 0 : hidden, nblocks, p.pair, p.tile, e);
-    stamp_end_at(row);
-  }
-  const uint32_t b = s_ticket[n & 1];
-  if (b >= router_items) return;
-  // A router item (timeline: t[0] = t[1], the item's start); then the block ends (no failing ticket: last_ticket).
-  stamp_at(0, b);
-  stamp_at(1, b);
-  stamp_role_at(0, b);
-  stamp_at(2, b);
-  router_item(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, s_raised, rg_smem, b);
-  stamp_end_at(b);
 }
 
 struct DownArgs {
@@ -1087,26 +931,6 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    if constexpr (TM_RGU_PERSISTENT) {
-      const void* kernel = reinterpret_cast<const void*>(&router_experts_gate_up_persistent_kernel<F, V>);
-      TM_TRY(ensure_dynamic_smem(kernel, smem, fn));
-      static const int occupancy = [&] {  // once per instantiation (0 on failure: the ticketed grid below)
-        int n = 0;
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kRowsPerBlock * 32,
-                                                             static_cast<size_t>(smem)) == cudaSuccess ? n : 0;
-      }();
-      const int per_sm = TM_RGU_BLOCKS_PER_SM > 0 ? TM_RGU_BLOCKS_PER_SM : occupancy;
-      const int64_t resident = static_cast<int64_t>(per_sm) * lim.sm_count, grid = total < resident ? total : resident;
-      const int64_t per_token = router_blocks_per_token(router_rows(n_experts, gate_inp_sh));
-      if (grid > n_tokens * per_token) {  // else every block would be a router item
-        const PersistentItems it =
-            persistent_items(n_tokens, per_token, n_tokens * ceil_div(ffn_sh, kRowsPerBlock),
-                             n_tokens * top_k * ceil_div(ffn, kRowsPerBlock), grid);
-        return launch(lim, fn, router_experts_gate_up_persistent_kernel<F, V>, dim3(static_cast<unsigned>(grid)),
-                      dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
-                      hidden, nblocks, router_sync(sync, n_tokens), it);
-      }
-    }
     TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
     return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
                   dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
