@@ -395,6 +395,38 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
+// A measurement knob (results/NOTES.md lesson 50): 1 gives router_experts_gate_up's routed blocks half tiles, 4 row
+// pairs with a warp each for the gate row and the up row (one warp_dot with NR = 1: a row's bits do not depend on
+// the rows read beside it, qdot.cuh), so that a block streams half the bytes and the launch's last wave ends
+// sooner (at 461e6fe a block streamed its 35 KB in ~5 us whether one of 528 or of 66, lesson 49).
+#ifndef TM_RGU_SPLIT_ROUTED
+#define TM_RGU_SPLIT_ROUTED 0
+#endif
+constexpr int64_t kRoutedTileRows = TM_RGU_SPLIT_ROUTED ? kRowsPerBlock / 2 : kRowsPerBlock;
+
+// gate_up_block's result for the kRowsPerBlock / 2 rows of half tile `tile`: warp w computes the gate (w even) or
+// up (w odd) row tile * 4 + w / 2, and the gate's warp writes silu(g) * u from the pair in shared memory.
+template <Fmt F, bool V>
+__device__ __forceinline__ void gate_up_half_block(const GateUpArgs& a, const float* h, int64_t h_stride,
+                                                   int64_t nblocks, uint32_t pair, uint32_t tile, int e) {
+  __shared__ float s_gu[kRowsPerBlock];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(tile) * (kRowsPerBlock / 2) + (warp >> 1);
+  const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
+  const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
+  const bool live = r < a.ffn, bad = e < 0 || e >= a.n_experts;
+  if (live && !bad) {
+    const uint8_t* wr[1] = {((warp & 1) ? a.w_up : a.w_gate) + (e * a.ffn + r) * a.row_bytes};
+    const float* xs[1] = {h + t * h_stride};
+    float d[1][1];
+    warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, d);
+    if (lane == 0) s_gu[warp] = d[0][0];
+  }
+  __syncthreads();
+  if (live && (warp & 1) == 0 && lane == 0)
+    a.act[slot * a.ffn + r] = bad ? kNaN : __fmul_rn(silu_f32(s_gu[warp]), s_gu[warp + 1]);
+}
+
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -458,7 +490,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, peek_t, peek_ids, peek_h);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
-  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
+  if constexpr (TM_RGU_SPLIT_ROUTED) {
+    const int64_t slot = static_cast<int64_t>(t) * rt.top_k + (p.pair - t * slots);
+    gate_up_half_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e >= 0 ? e : rt.ids[slot]);
+  } else {
+    gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
+  }
   stamp_end();
 }
 
@@ -905,7 +942,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   TM_TRY(get_limits(&lim));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
-                                    ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
+                                    ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRoutedTileRows));
   // More experts than one warp ranks, or a grid beyond the limits: the launches this one stands for.
   if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
