@@ -367,14 +367,23 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
 #define TM_RGU_PEEK_IDS 0
 #endif
 constexpr bool kPeekIdsWithTicket = TM_RGU_PEEK_IDS;
+// A measurement knob (results/NOTES.md lesson 50): 1 makes a block that is likely routed normalise x[t] of the token
+// its blockIdx suggests into its shared memory while its ticket is in flight (the same function as the shared
+// blocks: the same h); routed on that token it then polls the relaxed ids word alone, without h_ready's acquire,
+// and reads h from shared memory.
+#ifndef TM_RGU_ROUTED_NORM
+#define TM_RGU_ROUTED_NORM 0
+#endif
+constexpr bool kRoutedNorm = TM_RGU_ROUTED_NORM;
 
 // A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
 // relaxed load first, so both are in flight at once). Returns the ids word's payload; every thread of the block
 // sees h (and ids[]) after it. Thread 0's peek (kPeekIdsWithTicket): both words as read beside the ticket, for
 // token peek_t, tried first (an acquire load that read the released tag orders the reads after it the same).
+// need_h false (TM_RGU_ROUTED_NORM: the block normalised x[t] itself): the ids word alone, relaxed.
 __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag,
                                                 uint32_t peek_t, unsigned long long peek_ids,
-                                                unsigned long long peek_h) {
+                                                unsigned long long peek_h, bool need_h = true) {
   __shared__ uint32_t s_ids;
   if (threadIdx.x == 0) {
     bool peeked = kPeekIdsWithTicket && t == peek_t;
@@ -382,7 +391,7 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
       const unsigned long long w = !ids_in_flag ? tagged(raised, 0)
                                    : peeked     ? peek_ids
                                                 : ld_relaxed_u64(sy.ids_ready + t);
-      const unsigned long long f = peeked ? peek_h : ld_acquire_u64(sy.h_ready + t);
+      const unsigned long long f = !need_h ? tagged(raised, 0) : peeked ? peek_h : ld_acquire_u64(sy.h_ready + t);
       peeked = false;
       if (tag_of(w) == raised && tag_of(f) == raised) {
         s_ids = static_cast<uint32_t>(w);
@@ -461,9 +470,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const RouterSync sy = router_sync(sync, n_tokens);
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count);
   uint32_t peek_t = 0;  // thread 0's peek (kPeekIdsWithTicket)
-  unsigned long long peek_ids = 0, peek_h = 0;
+  unsigned long long peek_ids = 0, peek_h = 0, v = 0;
+  if (threadIdx.x == 0) v = atomicAdd(sy.ticket, 1ull);
+  // kRoutedNorm: a likely-routed block normalises x[its likely token] while its ticket is in flight
+  uint32_t guess_t = ~0u;
+  if (kRoutedNorm && blockIdx.x >= router_blocks + sh_blocks) {
+    guess_t = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots;
+    block_rmsnorm(ra.x + guess_t * hidden, ra.norm_w, hidden, ra.eps, rg_smem, nullptr,
+                  rg_smem + router_h_floats(hidden));
+  }
   if (threadIdx.x == 0) {
-    const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     if (kPeekIdsWithTicket && blockIdx.x >= router_blocks + sh_blocks) {  // issued before the ticket returns
       peek_t = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots;
       peek_ids = ld_relaxed_u64(sy.ids_ready + peek_t);
@@ -487,14 +503,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, peek_t, peek_ids, peek_h);
+  const bool own_h = kRoutedNorm && ids_in_flag && t == guess_t;  // h in rg_smem: no h_ready, no acquire
+  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, peek_t, peek_ids, peek_h, !own_h);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
   if constexpr (TM_RGU_SPLIT_ROUTED) {
     const int64_t slot = static_cast<int64_t>(t) * rt.top_k + (p.pair - t * slots);
     gate_up_half_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e >= 0 ? e : rt.ids[slot]);
   } else {
-    gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
+    gate_up_block<F, V>(rt, own_h ? rg_smem : h, own_h ? 0 : hidden, nblocks, p.pair, p.tile, e);
   }
   stamp_end();
 }
