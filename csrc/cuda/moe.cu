@@ -359,40 +359,15 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   TM_TOPK_STAMP(4);
 }
 
-// A measurement knob, compiled but not yet run on a GPU (results/NOTES.md lesson 49): 1 makes a block that is
-// likely routed (by blockIdx) read its token's ids word and h_ready beside its ticket atomic, for the token its
-// blockIdx suggests, so that a block starting after the ids are out skips the poll's round trip (at 461e6fe the
-// blocks starting late spent ~1 us on ticket and poll). A wrong guess only costs the poll it would have made.
-#ifndef TM_RGU_PEEK_IDS
-#define TM_RGU_PEEK_IDS 0
-#endif
-constexpr bool kPeekIdsWithTicket = TM_RGU_PEEK_IDS;
-// A measurement knob (results/NOTES.md lesson 50): 1 makes a block that is likely routed normalise x[t] of the token
-// its blockIdx suggests into its shared memory while its ticket is in flight (the same function as the shared
-// blocks: the same h); routed on that token it then polls the relaxed ids word alone, without h_ready's acquire,
-// and reads h from shared memory.
-#ifndef TM_RGU_ROUTED_NORM
-#define TM_RGU_ROUTED_NORM 0
-#endif
-constexpr bool kRoutedNorm = TM_RGU_ROUTED_NORM;
-
 // A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
 // relaxed load first, so both are in flight at once). Returns the ids word's payload; every thread of the block
-// sees h (and ids[]) after it. Thread 0's peek (kPeekIdsWithTicket): both words as read beside the ticket, for
-// token peek_t, tried first (an acquire load that read the released tag orders the reads after it the same).
-// need_h false (TM_RGU_ROUTED_NORM: the block normalised x[t] itself): the ids word alone, relaxed.
-__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag,
-                                                uint32_t peek_t, unsigned long long peek_ids,
-                                                unsigned long long peek_h, bool need_h = true) {
+// sees h (and ids[]) after it.
+__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag) {
   __shared__ uint32_t s_ids;
   if (threadIdx.x == 0) {
-    bool peeked = kPeekIdsWithTicket && t == peek_t;
     for (;;) {
-      const unsigned long long w = !ids_in_flag ? tagged(raised, 0)
-                                   : peeked     ? peek_ids
-                                                : ld_relaxed_u64(sy.ids_ready + t);
-      const unsigned long long f = !need_h ? tagged(raised, 0) : peeked ? peek_h : ld_acquire_u64(sy.h_ready + t);
-      peeked = false;
+      const unsigned long long w = ids_in_flag ? ld_relaxed_u64(sy.ids_ready + t) : tagged(raised, 0);
+      const unsigned long long f = ld_acquire_u64(sy.h_ready + t);
       if (tag_of(w) == raised && tag_of(f) == raised) {
         s_ids = static_cast<uint32_t>(w);
         break;
@@ -402,38 +377,6 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   }
   __syncthreads();
   return s_ids;
-}
-
-// A measurement knob (results/NOTES.md lesson 50): 1 gives router_experts_gate_up's routed blocks half tiles, 4 row
-// pairs with a warp each for the gate row and the up row (one warp_dot with NR = 1: a row's bits do not depend on
-// the rows read beside it, qdot.cuh), so that a block streams half the bytes and the launch's last wave ends
-// sooner (at 461e6fe a block streamed its 35 KB in ~5 us whether one of 528 or of 66, lesson 49).
-#ifndef TM_RGU_SPLIT_ROUTED
-#define TM_RGU_SPLIT_ROUTED 0
-#endif
-constexpr int64_t kRoutedTileRows = TM_RGU_SPLIT_ROUTED ? kRowsPerBlock / 2 : kRowsPerBlock;
-
-// gate_up_block's result for the kRowsPerBlock / 2 rows of half tile `tile`: warp w computes the gate (w even) or
-// up (w odd) row tile * 4 + w / 2, and the gate's warp writes silu(g) * u from the pair in shared memory.
-template <Fmt F, bool V>
-__device__ __forceinline__ void gate_up_half_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                                   int64_t nblocks, uint32_t pair, uint32_t tile, int e) {
-  __shared__ float s_gu[kRowsPerBlock];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(tile) * (kRowsPerBlock / 2) + (warp >> 1);
-  const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
-  const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
-  const bool live = r < a.ffn, bad = e < 0 || e >= a.n_experts;
-  if (live && !bad) {
-    const uint8_t* wr[1] = {((warp & 1) ? a.w_up : a.w_gate) + (e * a.ffn + r) * a.row_bytes};
-    const float* xs[1] = {h + t * h_stride};
-    float d[1][1];
-    warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, d);
-    if (lane == 0) s_gu[warp] = d[0][0];
-  }
-  __syncthreads();
-  if (live && (warp & 1) == 0 && lane == 0)
-    a.act[slot * a.ffn + r] = bad ? kNaN : __fmul_rn(silu_f32(s_gu[warp]), s_gu[warp + 1]);
 }
 
 template <Fmt F, bool V>
@@ -468,23 +411,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const RouterSync sy = router_sync(sync, n_tokens);
-  const uint32_t slots = static_cast<uint32_t>(rt.slot_count);
-  uint32_t peek_t = 0;  // thread 0's peek (kPeekIdsWithTicket)
-  unsigned long long peek_ids = 0, peek_h = 0, v = 0;
-  if (threadIdx.x == 0) v = atomicAdd(sy.ticket, 1ull);
-  // kRoutedNorm: a likely-routed block normalises x[its likely token] while its ticket is in flight
-  uint32_t guess_t = ~0u;
-  if (kRoutedNorm && blockIdx.x >= router_blocks + sh_blocks) {
-    guess_t = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots;
-    block_rmsnorm(ra.x + guess_t * hidden, ra.norm_w, hidden, ra.eps, rg_smem, nullptr,
-                  rg_smem + router_h_floats(hidden));
-  }
   if (threadIdx.x == 0) {
-    if (kPeekIdsWithTicket && blockIdx.x >= router_blocks + sh_blocks) {  // issued before the ticket returns
-      peek_t = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).pair / slots;
-      peek_ids = ld_relaxed_u64(sy.ids_ready + peek_t);
-      peek_h = ld_acquire_u64(sy.h_ready + peek_t);
-    }
+    const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
     // Every other ticketed block of this call has its ticket: the next call's epoch, from count 0.
     if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
@@ -501,18 +429,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
-  const uint32_t t = p.pair / slots;
+  const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-  const bool own_h = kRoutedNorm && ids_in_flag && t == guess_t;  // h in rg_smem: no h_ready, no acquire
-  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, peek_t, peek_ids, peek_h, !own_h);
+  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
-  if constexpr (TM_RGU_SPLIT_ROUTED) {
-    const int64_t slot = static_cast<int64_t>(t) * rt.top_k + (p.pair - t * slots);
-    gate_up_half_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e >= 0 ? e : rt.ids[slot]);
-  } else {
-    gate_up_block<F, V>(rt, own_h ? rg_smem : h, own_h ? 0 : hidden, nblocks, p.pair, p.tile, e);
-  }
+  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
 
@@ -959,7 +881,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   TM_TRY(get_limits(&lim));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
-                                    ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRoutedTileRows));
+                                    ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
   // More experts than one warp ranks, or a grid beyond the limits: the launches this one stands for.
   if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
