@@ -379,6 +379,29 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
+// A measurement knob (results/NOTES.md lesson 53 b): 1 keeps the shared blocks that land on the SM of blockIdx 0
+// (in practice router block 0, which runs the token's top-k) from streaming until the ids are out (at most
+// kQuietWaitNs), so that the top-k's ~40 dependent shuffles do not share the SM's issue slots with streaming warps
+// (2.9 us beside them, ~0.6 us by their latencies, lesson 47). Block 0 writes its SM id into the scratch's ticket
+// area before pdl_wait (no kernel before this one in the stream reads that word); the shared blocks read it and
+// the ticket word's epoch (this call's tag) after pdl_wait, beside their norm. Timing only: no result changes.
+#ifndef TM_RGU_QUIET_TOPK_SM
+#define TM_RGU_QUIET_TOPK_SM 0
+#endif
+#if TM_RGU_QUIET_TOPK_SM
+constexpr unsigned long long kQuietWaitNs = 8000;
+__device__ __forceinline__ uint32_t this_sm() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -391,6 +414,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   stamp(0);
+#if TM_RGU_QUIET_TOPK_SM
+  uint32_t* const topk_sm = sync + 32;  // byte 128 of the ticket's 256
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(topk_sm) = this_sm() + 1;
+#endif
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -404,7 +431,22 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
+#if TM_RGU_QUIET_TOPK_SM
+    const RouterSync qs = router_sync(sync, n_tokens);
+    uint32_t hint = 0, tag = 0;
+    if (threadIdx.x == 0) {
+      hint = *reinterpret_cast<volatile uint32_t*>(topk_sm);
+      tag = static_cast<uint32_t>(ld_relaxed_u64(qs.ticket) >> 32) + 1;
+    }
+#endif
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
+#if TM_RGU_QUIET_TOPK_SM
+    if (threadIdx.x == 0 && hint == this_sm() + 1) {
+      const unsigned long long t0 = now_ns();
+      while (tag_of(ld_relaxed_u64(qs.ids_ready)) != tag && now_ns() - t0 < kQuietWaitNs) __nanosleep(64);
+    }
+    __syncthreads();
+#endif
     stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
     stamp_end();
