@@ -379,12 +379,15 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A measurement knob (results/NOTES.md lesson 53 b): 1 keeps the shared blocks that land on the SM of blockIdx 0
-// (in practice router block 0, which runs the token's top-k) from streaming until the ids are out (at most
-// kQuietWaitNs), so that the top-k's ~40 dependent shuffles do not share the SM's issue slots with streaming warps
-// (2.9 us beside them, ~0.6 us by their latencies, lesson 47). Block 0 writes its SM id into the scratch's ticket
-// area before pdl_wait (no kernel before this one in the stream reads that word); the shared blocks read it and
-// the ticket word's epoch (this call's tag) after pdl_wait, beside their norm. Timing only: no result changes.
+// A measurement knob (results/NOTES.md lesson 54): 1 keeps the shared blocks that land on the SM of blockIdx 0 from
+// streaming until the ids are out (at most kQuietWaitNs), meant to let the top-k's ~40 dependent shuffles run
+// without streaming warps beside them (2.9 us beside them, ~0.6 us by their latencies, lesson 47). Block 0 writes
+// its SM id into the scratch's ticket area before pdl_wait (no kernel before this one in the stream reads that
+// word); the shared blocks read it and the ticket word's epoch (this call's tag) after pdl_wait, beside their norm.
+// Measured: blockIdx 0 is not the publisher (ticket 0 went to another router block, on another SM), so the top-k
+// did not change. 2 holds back every shared block instead: the router's path with nothing streaming, the
+// uncontended time of each of its steps (a timeline measurement, not a product candidate). Timing only: no result
+// changes.
 #ifndef TM_RGU_QUIET_TOPK_SM
 #define TM_RGU_QUIET_TOPK_SM 0
 #endif
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #endif
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
 #if TM_RGU_QUIET_TOPK_SM
-    if (threadIdx.x == 0 && hint == this_sm() + 1) {
+    if (threadIdx.x == 0 && (TM_RGU_QUIET_TOPK_SM == 2 || hint == this_sm() + 1)) {
       const unsigned long long t0 = now_ns();
       while (tag_of(ld_relaxed_u64(qs.ids_ready)) != tag && now_ns() - t0 < kQuietWaitNs) __nanosleep(64);
     }
