@@ -46,15 +46,10 @@ namespace {
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
 #endif
-#if TM_RGU_TIMELINE
-constexpr int kTimelineRows = 8192;
-constexpr uint32_t kDownTimelineRow0 = 4096;
-struct TimelineRow {
-  unsigned long long t[5];
-  uint32_t role, sm;
-};
-static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
-__device__ TimelineRow rgu_timeline[kTimelineRows];
+#ifndef TM_RGU_QUIET_TOPK_SM  // a measurement knob, see router_experts_gate_up_kernel
+#define TM_RGU_QUIET_TOPK_SM 0
+#endif
+#if TM_RGU_TIMELINE || TM_RGU_QUIET_TOPK_SM
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -65,6 +60,16 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
   return v;
 }
+#endif
+#if TM_RGU_TIMELINE
+constexpr int kTimelineRows = 8192;
+constexpr uint32_t kDownTimelineRow0 = 4096;
+struct TimelineRow {
+  unsigned long long t[5];
+  uint32_t role, sm;
+};
+static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
+__device__ TimelineRow rgu_timeline[kTimelineRows];
 // row0: kDownTimelineRow0 for the down's blocks (its first token's only)
 __device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
   const uint32_t r = row0 + blockIdx.x;
@@ -379,7 +384,7 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A measurement knob (results/NOTES.md lesson 54): 1 keeps the shared blocks that land on the SM of blockIdx 0 from
+// A measurement knob (results/NOTES.md lesson 53): 1 keeps the shared blocks that land on the SM of blockIdx 0 from
 // streaming until the ids are out (at most kQuietWaitNs), meant to let the top-k's ~40 dependent shuffles run
 // without streaming warps beside them (2.9 us beside them, ~0.6 us by their latencies, lesson 47). Block 0 writes
 // its SM id into the scratch's ticket area before pdl_wait (no kernel before this one in the stream reads that
@@ -388,21 +393,8 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 // did not change. 2 holds back every shared block instead: the router's path with nothing streaming, the
 // uncontended time of each of its steps (a timeline measurement, not a product candidate). Timing only: no result
 // changes.
-#ifndef TM_RGU_QUIET_TOPK_SM
-#define TM_RGU_QUIET_TOPK_SM 0
-#endif
 #if TM_RGU_QUIET_TOPK_SM
 constexpr unsigned long long kQuietWaitNs = 8000;
-__device__ __forceinline__ uint32_t this_sm() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
-  return v;
-}
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 #endif
 
 template <Fmt F, bool V>
@@ -419,7 +411,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp(0);
 #if TM_RGU_QUIET_TOPK_SM
   uint32_t* const topk_sm = sync + 32;  // byte 128 of the ticket's 256
-  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(topk_sm) = this_sm() + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(topk_sm) = sm_id() + 1;
 #endif
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
@@ -444,9 +436,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #endif
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
 #if TM_RGU_QUIET_TOPK_SM
-    if (threadIdx.x == 0 && (TM_RGU_QUIET_TOPK_SM == 2 || hint == this_sm() + 1)) {
-      const unsigned long long t0 = now_ns();
-      while (tag_of(ld_relaxed_u64(qs.ids_ready)) != tag && now_ns() - t0 < kQuietWaitNs) __nanosleep(64);
+    if (threadIdx.x == 0 && (TM_RGU_QUIET_TOPK_SM == 2 || hint == sm_id() + 1)) {
+      const unsigned long long t0 = global_ns();
+      while (tag_of(ld_relaxed_u64(qs.ids_ready)) != tag && global_ns() - t0 < kQuietWaitNs) __nanosleep(64);
     }
     __syncthreads();
 #endif
