@@ -274,6 +274,9 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
             gates.append(gate[:n])
             assert torch.equal(gate[:n], gates[0][:n]), call
         assert scratch[:2].tolist() == [0, call + 1 if fused else 0], call  # (ticket count, epoch)
+        if fused:  # each token's h_ready flag (64 bits after the ids_ready group) carries this call's tag
+            group = -(-n // 32) * 32
+            assert (scratch[64 + 2 * group + 1:64 + 2 * group + 2 * n:2] == call + 1).all(), call
 
 
 @pytest.mark.parametrize("device", DEVICES)

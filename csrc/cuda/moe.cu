@@ -46,19 +46,14 @@ namespace {
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
 #endif
-#ifndef TM_RGU_QUIET_TOPK_SM  // a measurement knob, see router_experts_gate_up_kernel
-#define TM_RGU_QUIET_TOPK_SM 0
+#ifndef TM_RGU_HOLD_SHARED  // a measurement knob, see router_experts_gate_up_kernel
+#define TM_RGU_HOLD_SHARED 0
 #endif
-#if TM_RGU_TIMELINE || TM_RGU_QUIET_TOPK_SM
+#if TM_RGU_TIMELINE || TM_RGU_HOLD_SHARED
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
-  return v;
 }
 #endif
 #if TM_RGU_TIMELINE
@@ -70,6 +65,11 @@ struct TimelineRow {
 };
 static_assert(sizeof(TimelineRow) == 48, "scripts/rgu_timeline.py's ROW");
 __device__ TimelineRow rgu_timeline[kTimelineRows];
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
 // row0: kDownTimelineRow0 for the down's blocks (its first token's only)
 __device__ __forceinline__ void stamp(int k, uint32_t row0 = 0) {
   const uint32_t r = row0 + blockIdx.x;
@@ -384,17 +384,14 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A measurement knob (results/NOTES.md lesson 53): 1 keeps the shared blocks that land on the SM of blockIdx 0 from
-// streaming until the ids are out (at most kQuietWaitNs), meant to let the top-k's ~40 dependent shuffles run
-// without streaming warps beside them (2.9 us beside them, ~0.6 us by their latencies, lesson 47). Block 0 writes
-// its SM id into the scratch's ticket area before pdl_wait (no kernel before this one in the stream reads that
-// word); the shared blocks read it and the ticket word's epoch (this call's tag) after pdl_wait, beside their norm.
-// Measured: blockIdx 0 is not the publisher (ticket 0 went to another router block, on another SM), so the top-k
-// did not change. 2 holds back every shared block instead: the router's path with nothing streaming, the
-// uncontended time of each of its steps (a timeline measurement, not a product candidate). Timing only: no result
-// changes.
-#if TM_RGU_QUIET_TOPK_SM
-constexpr unsigned long long kQuietWaitNs = 8000;
+// A measurement knob (results/NOTES.md lesson 53): 1 holds every shared block back after its norm until the token's
+// ids are out (its ids_ready word: top_k <= kIdsInFlag), so that a timeline build shows the router's path with nothing streaming beside it (the top-k took
+// 2.9 us beside streaming warps, ~0.6 us by its shuffles' latencies, lesson 47). Bounded by kHoldNs: the shared
+// blocks hold no ticket, so the router blocks may not be resident yet. The shared blocks read this call's tag from
+// the ticket word's epoch beside their norm. Timing only: no result changes. (a0b63e2 held back only the blocks on
+// blockIdx 0's SM: the top-k ran on another SM in 7 of 8 steps.)
+#if TM_RGU_HOLD_SHARED
+constexpr unsigned long long kHoldNs = 8000;
 #endif
 
 template <Fmt F, bool V>
@@ -409,10 +406,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   stamp(0);
-#if TM_RGU_QUIET_TOPK_SM
-  uint32_t* const topk_sm = sync + 32;  // byte 128 of the ticket's 256
-  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<volatile uint32_t*>(topk_sm) = sm_id() + 1;
-#endif
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -426,19 +419,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
-#if TM_RGU_QUIET_TOPK_SM
-    const RouterSync qs = router_sync(sync, n_tokens);
-    uint32_t hint = 0, tag = 0;
-    if (threadIdx.x == 0) {
-      hint = *reinterpret_cast<volatile uint32_t*>(topk_sm);
-      tag = static_cast<uint32_t>(ld_relaxed_u64(qs.ticket) >> 32) + 1;
-    }
+#if TM_RGU_HOLD_SHARED
+    const RouterSync hs = router_sync(sync, n_tokens);
+    const uint32_t tag = threadIdx.x == 0 ? static_cast<uint32_t>(ld_relaxed_u64(hs.ticket) >> 32) + 1 : 0;
 #endif
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
-#if TM_RGU_QUIET_TOPK_SM
-    if (threadIdx.x == 0 && (TM_RGU_QUIET_TOPK_SM == 2 || hint == sm_id() + 1)) {
+#if TM_RGU_HOLD_SHARED
+    if (threadIdx.x == 0) {
       const unsigned long long t0 = global_ns();
-      while (tag_of(ld_relaxed_u64(qs.ids_ready)) != tag && global_ns() - t0 < kQuietWaitNs) __nanosleep(64);
+      while (tag_of(ld_relaxed_u64(hs.ids_ready + p.pair)) != tag && global_ns() - t0 < kHoldNs) __nanosleep(64);
     }
     __syncthreads();
 #endif
