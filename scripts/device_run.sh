@@ -11,7 +11,7 @@
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
-# build's GPU tests), TUNING_BENCH=1 (and bench each), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
+# build's GPU tests), TUNING_BENCH=1 (and bench each; or a list of names: those only), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
 # profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
 # -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
@@ -134,6 +134,7 @@ if want tuning; then  # the tuning builds' tiled kernels timed
     [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
     for t in "${TUNES[@]}"; do
       name=${t%%:*}
+      [ "$TUNING_BENCH" = 1 ] || [[ ",$TUNING_BENCH," == *",$name,"* ]] || continue
       # from its own tree: `python -m` puts the working directory first on the path
       (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench \
         --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch \

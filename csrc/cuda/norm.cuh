@@ -7,7 +7,8 @@
  * x[i], x[i + 256], ... as ss = fma(v, v, ss) in increasing index; each warp sums its 32 threads with warp_sum;
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
- * block_rms_inv evaluates it with a block of 256 threads; block_rmsnorm writes y with it (tm_rmsnorm, the fused
+ * block_rms_inv evaluates it with a block of 256 threads (every warp sums the warp totals itself: one barrier);
+ * block_rmsnorm writes y with it (tm_rmsnorm, the fused
  * attention input, the router and both kinds of fused gate-up block all normalise through it).
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
@@ -26,54 +27,63 @@ __device__ __forceinline__ float rms_inv_from_sum(float ss, int64_t dim, float e
 
 __device__ __forceinline__ float rms_apply(float x, float inv, float w) { return __fmul_rn(__fmul_rn(x, inv), w); }
 
-// A block of exactly kNormThreads threads; every thread returns inv. `scratch` holds kNormWarps + 1 floats and is
-// free again when the function returns. x is read with plain loads (it may be the output of the previous kernel).
-__device__ __forceinline__ float block_rms_inv(const float* x, int64_t dim, float eps, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// The per-thread part of the tree: ss over x[i] of this thread's indices (threadIdx.x + k * kNormThreads, in
+// increasing order), the first kHeld of them kept in `held` for the caller (no second read after the reduction).
+constexpr int kNormHeld = 8;
+__device__ __forceinline__ float thread_sum_sq(const float* x, int64_t dim, float (&held)[kNormHeld]) {
   float ss = 0.0f;
-#pragma unroll 8
-  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
+#pragma unroll
+  for (int k = 0; k < kNormHeld; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
+    held[k] = i < dim ? x[i] : 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kNormHeld; ++k) ss = __fmaf_rn(held[k], held[k], ss);  // +0 past dim: fma(0, 0, ss) == ss
+  for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads) {
     const float v = x[i];
     ss = __fmaf_rn(v, v, ss);
   }
+  return ss;
+}
+
+// inv from every thread's ss, by a block of exactly kNormThreads threads, with one barrier: each warp sums the 8
+// warp totals itself (the same lanes, the same butterfly, so the same bits in every warp) instead of warp 0 summing
+// them for the block behind two more barriers. `scratch` holds kNormWarps floats; the caller must pass a barrier
+// before it writes them again (block_rmsnorm's closing one).
+__device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   ss = warp_sum(ss);
   if (lane == 0) scratch[warp] = ss;
   __syncthreads();
-  if (warp == 0) {
-    float v = lane < kNormWarps ? scratch[lane] : 0.0f;
-    v = warp_sum(v);
-    if (lane == 0) scratch[kNormWarps] = rms_inv_from_sum(v, dim, eps);
-  }
-  __syncthreads();
-  const float inv = scratch[kNormWarps];
-  __syncthreads();  // scratch may be reused by the caller
-  return inv;
+  return rms_inv_from_sum(warp_sum(lane < kNormWarps ? scratch[lane] : 0.0f), dim, eps);
 }
 
 // out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by a block of
-// kNormThreads threads, then a barrier: block_rms_inv's tree, so the bits tm_rmsnorm writes. The weights of the
-// first 8 * kNormThreads values are loaded before the reduction, so that their round trip overlaps x's.
+// kNormThreads threads, then a barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads
+// (it may be the output of the previous kernel), once: the first kNormHeld * kNormThreads values stay in
+// registers, as do their weights, loaded before the reduction so that their round trip overlaps x's. Each thread
+// writes only indices it read, after the reduction's barrier, so out may alias x. Two barriers in all (there were
+// four, and a second read of x: each is a round trip on the path of every block that normalises its input).
 __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
                                               float* copy, float* scratch) {
-  constexpr int kHeld = 8;
-  float wv[kHeld];
+  float wv[kNormHeld], xv[kNormHeld];
 #pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
+  for (int k = 0; k < kNormHeld; ++k) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
     wv[k] = i < dim ? __ldg(w + i) : 0.0f;
   }
-  const float inv = block_rms_inv(x, dim, eps, scratch);
-  auto put = [&](int64_t i, float wi) {
-    const float v = rms_apply(x[i], inv, wi);
+  const float inv = block_rms_inv(thread_sum_sq(x, dim, xv), dim, eps, scratch);
+  auto put = [&](int64_t i, float v) {
     out[i] = v;
     if (copy != nullptr) copy[i] = v;
   };
 #pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
+  for (int k = 0; k < kNormHeld; ++k) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
-    if (i < dim) put(i, wv[k]);
+    if (i < dim) put(i, rms_apply(xv[k], inv, wv[k]));
   }
-  for (int64_t i = threadIdx.x + kHeld * kNormThreads; i < dim; i += kNormThreads) put(i, __ldg(w + i));
+  for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads)
+    put(i, rms_apply(x[i], inv, __ldg(w + i)));
   __syncthreads();
 }
 
