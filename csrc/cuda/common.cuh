@@ -130,22 +130,6 @@ __device__ __forceinline__ float ld_ahead(const float* p) {
   return v;
 }
 
-// 8 or 16 bytes of a weight row loaded the way ld_ahead loads a float (a strong load ptxas keeps where it is
-// written): a batch of a dot product issued before work that does not need it (qdot.cuh's prologue).
-__device__ __forceinline__ uint2 ld_ahead_u2(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 ld_ahead_u4(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
 // A hint that the 128-byte line holding p will be read soon (no fault, no effect on results).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));

@@ -32,7 +32,6 @@
  */
 #include <cstdint>
 
-
 namespace tm_cuda {
 namespace {
 // ---- a measurement build only (-DTM_RGU_TIMELINE=1; results/NOTES.md lesson 46 a) ----
@@ -132,23 +131,17 @@ struct GateUpArgs {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-// prologue: what must precede the reads of h (qdot.cuh's warp_dot prologue), run by every warp on every path.
-template <Fmt F, bool V, class P = NoPrologue>
+template <Fmt F, bool V>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
-                                              P&& prologue = P{}) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
-  if (r >= a.ffn) {
-    prologue();
-    return;
-  }
+  if (r >= a.ffn) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
   float* o = a.act + slot * a.ffn + r;
   if (e < 0 || e >= a.n_experts) {
-    prologue();
     if (lane == 0) *o = kNaN;
     return;
   }
@@ -156,7 +149,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
-  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu, prologue);
+  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -401,55 +394,6 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 constexpr unsigned long long kHoldNs = 8000;
 #endif
 
-// Where a shared-expert block of router_experts_gate_up normalises x[t] (a measurement knob; the same bits in all
-// three): 0 before its dot products; 1 as their prologue (qdot.cuh), behind each warp's first batch of weight
-// loads, so that the norm's round trips overlap the weights' first one; 2 the same with that batch issued before
-// pdl_wait (the rows are known up front), so that its round trip also overlaps the predecessor's tail.
-#ifndef TM_GATE_UP_PROLOGUE
-#define TM_GATE_UP_PROLOGUE 1
-#endif
-constexpr int kGateUpPrologue = TM_GATE_UP_PROLOGUE;
-
-// A shared-expert block of router_experts_gate_up (see below): h = rmsnorm(x[t]) into its shared memory `hbuf`,
-// then experts_gate_up_block's shared part on it. With kMode 2 it is called before pdl_wait, which its prologue
-// runs.
-template <Fmt F, bool V, int kMode>
-__device__ __forceinline__ void shared_gate_up_role(const RouterArgs& ra, const GateUpArgs& sh, const GateUpArgs& rt,
-                                                    int64_t n_tokens, int64_t hidden, int64_t nblocks,
-                                                    uint32_t router_blocks, uint32_t* sync, float* hbuf) {
-  (void)sync;  // read by the TM_RGU_HOLD_SHARED build only
-  const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
-  auto inputs = [&]() {
-    if constexpr (kMode == 2) {
-      pdl_begin();
-      stamp(1);
-    }
-    stamp_role(1);
-    stamp(2);
-#if TM_RGU_HOLD_SHARED
-    const RouterSync hs = router_sync(sync, n_tokens);
-    const uint32_t tag = threadIdx.x == 0 ? static_cast<uint32_t>(ld_relaxed_u64(hs.ticket) >> 32) + 1 : 0;
-#endif
-    block_rmsnorm<kMode != 0>(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr,
-                              hbuf + router_h_floats(hidden));
-#if TM_RGU_HOLD_SHARED
-    if (threadIdx.x == 0) {
-      const unsigned long long t0 = global_ns();
-      while (tag_of(ld_relaxed_u64(hs.ids_ready + p.pair)) != tag && global_ns() - t0 < kHoldNs) __nanosleep(64);
-    }
-    __syncthreads();
-#endif
-    stamp(3);
-  };
-  if constexpr (kMode == 0) {
-    inputs();
-    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
-  } else {
-    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile, -1, inputs);
-  }
-  stamp_end();
-}
-
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -468,15 +412,28 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     else if (e == ra.n_experts && ra.gate_inp != nullptr) prefetch_row_l2(ra.gate_inp, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
-  const bool shared_role = blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks;
-  if (kGateUpPrologue == 2 && shared_role) {
-    shared_gate_up_role<F, V, kGateUpPrologue>(ra, sh, rt, n_tokens, hidden, nblocks, router_blocks, sync, rg_smem);
-    return;
-  }
   pdl_begin();
   stamp(1);
-  if (shared_role) {
-    shared_gate_up_role<F, V, kGateUpPrologue>(ra, sh, rt, n_tokens, hidden, nblocks, router_blocks, sync, rg_smem);
+  if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
+    stamp_role(1);
+    stamp(2);
+    const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
+    float* hbuf = rg_smem;
+#if TM_RGU_HOLD_SHARED
+    const RouterSync hs = router_sync(sync, n_tokens);
+    const uint32_t tag = threadIdx.x == 0 ? static_cast<uint32_t>(ld_relaxed_u64(hs.ticket) >> 32) + 1 : 0;
+#endif
+    block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
+#if TM_RGU_HOLD_SHARED
+    if (threadIdx.x == 0) {
+      const unsigned long long t0 = global_ns();
+      while (tag_of(ld_relaxed_u64(hs.ids_ready + p.pair)) != tag && global_ns() - t0 < kHoldNs) __nanosleep(64);
+    }
+    __syncthreads();
+#endif
+    stamp(3);
+    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    stamp_end();
     return;
   }
   const RouterSync sy = router_sync(sync, n_tokens);

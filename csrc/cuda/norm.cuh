@@ -60,26 +60,17 @@ __device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps,
 
 // out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by a block of
 // kNormThreads threads, then a barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads
-// (it may be the output of the previous kernel). Each thread writes only indices it read, after the reduction's
-// barrier, so out may alias x. Two barriers in all (there were four, and a second read of x from L1: each a round
-// trip on the path of every block that normalises its input).
-//   default: the first kNormHeld * kNormThreads values of x and their weights stay in registers (the weights
-//            loaded before the reduction, so that their round trip overlaps x's);
-//   kLean:   for a norm run as a dot product's prologue, behind the first batch of weight loads (qdot.cuh), whose
-//            registers it must leave alone: nothing is held; x is read again (from L1) after the reduction, and
-//            the weights are asked into L1 before it.
-template <bool kLean = false>
+// (it may be the output of the previous kernel), once: the first kNormHeld * kNormThreads values stay in
+// registers, as do their weights, loaded before the reduction so that their round trip overlaps x's. Each thread
+// writes only indices it read, after the reduction's barrier, so out may alias x. Two barriers in all (there were
+// four, and a second read of x: each is a round trip on the path of every block that normalises its input).
 __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
                                               float* copy, float* scratch) {
   float wv[kNormHeld], xv[kNormHeld];
-  if constexpr (kLean) {
-    for (int64_t line = threadIdx.x; line * 32 < dim; line += kNormThreads) prefetch_l1(w + line * 32);
-  } else {
 #pragma unroll
-    for (int k = 0; k < kNormHeld; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
-      wv[k] = i < dim ? __ldg(w + i) : 0.0f;
-    }
+  for (int k = 0; k < kNormHeld; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
+    wv[k] = i < dim ? __ldg(w + i) : 0.0f;
   }
   const float inv = block_rms_inv(thread_sum_sq(x, dim, xv), dim, eps, scratch);
   auto put = [&](int64_t i, float v) {
@@ -89,7 +80,7 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
 #pragma unroll
   for (int k = 0; k < kNormHeld; ++k) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
-    if (i < dim) put(i, kLean ? rms_apply(x[i], inv, __ldg(w + i)) : rms_apply(xv[k], inv, wv[k]));
+    if (i < dim) put(i, rms_apply(xv[k], inv, wv[k]));
   }
   for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads)
     put(i, rms_apply(x[i], inv, __ldg(w + i)));

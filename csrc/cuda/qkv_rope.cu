@@ -27,13 +27,6 @@ constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotati
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
 #endif
-// Where a block normalises x[t] (a measurement knob; the same bits in all three): 0 before its dot products; 1 as
-// their prologue (qdot.cuh), behind each warp's first batch of weight loads; 2 the same with that batch issued
-// before pdl_wait (the rows are known up front).
-#ifndef TM_QKV_PROLOGUE
-#define TM_QKV_PROLOGUE 1
-#endif
-constexpr int kQkvPrologue = TM_QKV_PROLOGUE;
 template <Fmt F>
 constexpr int qkv_min_blocks() {
   return fmt_tiled(F) ? TM_QKV_MIN_BLOCKS : 0;
@@ -90,28 +83,14 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
+  pdl_begin();
   const float* xt = a.x + t * a.hidden;
+  block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
+  if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
   float out[2][1];
-  if constexpr (kQkvPrologue == 0) {
-    pdl_begin();
-    block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
-    if (!active) return;  // no barrier follows
-    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-  } else {
-    // The norm (and with mode 2 pdl_wait) as the dot's prologue, behind the first batch of weight loads.
-    auto inputs = [&]() {
-      if constexpr (kQkvPrologue == 2) pdl_begin();
-      block_rmsnorm<true>(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
-    };
-    if constexpr (kQkvPrologue == 1) pdl_begin();
-    if (!active) {
-      inputs();
-      return;  // no barrier follows
-    }
-    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out, inputs);
-  }
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {
