@@ -176,9 +176,6 @@ __device__ __forceinline__ void bulk_row_to_smem(uint8_t* dst, const uint8_t* sr
                "l"(src), "r"(bytes), "r"(b)
                : "memory");
 }
-// Orders this thread's earlier generic-proxy accesses (e.g. an acquire that made another block's stores visible)
-// before its later copy-engine (async-proxy) ones, so that a bulk copy reads what the acquire made visible.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // Every lane: wait until the copy armed on `bar` has landed (after a __syncwarp that orders lane 0's init).
 __device__ __forceinline__ void bulk_wait(uint64_t* bar) {
   const uint32_t b = smem_addr(bar);

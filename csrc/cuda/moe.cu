@@ -131,23 +131,17 @@ struct GateUpArgs {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-// prologue: what must precede the reads of h (qdot.cuh's warp_dot prologue), run by every warp on every path.
-template <Fmt F, bool V, class P = NoPrologue>
+template <Fmt F, bool V>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
-                                              P&& prologue = P{}) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
-  if (r >= a.ffn) {
-    prologue();
-    return;
-  }
+  if (r >= a.ffn) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
   float* o = a.act + slot * a.ffn + r;
   if (e < 0 || e >= a.n_experts) {
-    prologue();
     if (lane == 0) *o = kNaN;
     return;
   }
@@ -155,7 +149,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
-  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu, prologue);
+  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -373,11 +367,7 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
 // A routed block's wait for its token: the ids word (when the ids fit in it) and h_ready, polled together (the
 // relaxed load first, so both are in flight at once). Returns the ids word's payload; every thread of the block
 // sees h (and ids[]) after it.
-// With h_copy, thread 0 then starts the copy of h[t] (hidden floats) into h_copy by the copy engine, armed on
-// h_landed (bulk_wait before reading it).
-__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag,
-                                               const float* h = nullptr, int64_t hidden = 0, float* h_copy = nullptr,
-                                               uint64_t* h_landed = nullptr) {
+__device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t, uint32_t raised, bool ids_in_flag) {
   __shared__ uint32_t s_ids;
   if (threadIdx.x == 0) {
     for (;;) {
@@ -389,25 +379,10 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
       }
       __nanosleep(TM_FLAG_SPIN_NS);
     }
-    if (h_copy != nullptr) {
-      fence_proxy_async();  // the copy engine reads h after the acquire
-      bulk_row_to_smem(reinterpret_cast<uint8_t*>(h_copy), reinterpret_cast<const uint8_t*>(h + t * hidden),
-                       static_cast<uint32_t>(hidden * 4), h_landed);
-    }
   }
   __syncthreads();
   return s_ids;
 }
-
-// Where a routed block of router_experts_gate_up reads h[t] (a measurement knob; the same bits in all three): 0 from
-// global memory through L1, as router block 0 wrote it; 1 from a copy in its shared memory made by the copy
-// engine after the wait (H200: a routed block streamed 4.29 us with h in shared memory against 4.93 through L1,
-// results/NOTES.md lesson 52), the dot starting once it has landed; 2 the same with the dot's first batch of weight
-// loads issued before the copy is awaited (qdot.cuh's prologue).
-#ifndef TM_ROUTED_H_SMEM
-#define TM_ROUTED_H_SMEM 2
-#endif
-constexpr int kRoutedHSmem = TM_ROUTED_H_SMEM;
 
 // A measurement knob (results/NOTES.md lesson 53): 1 holds every shared block back after its norm until the token's
 // ids are out (its ids_ready word: top_k <= kIdsInFlag), so that a timeline build shows the router's path with nothing streaming beside it (the top-k took
@@ -482,23 +457,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-  __shared__ uint64_t h_landed;
-  const bool copy_h = kRoutedHSmem != 0 && hidden % 4 == 0 && (reinterpret_cast<uintptr_t>(h) & 15) == 0;
-  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag, h, hidden, copy_h ? rg_smem : nullptr, &h_landed);
+  const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
+  stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
-  if (!copy_h) {
-    stamp(3);
-    gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
-  } else if constexpr (kRoutedHSmem == 1) {
-    bulk_wait(&h_landed);
-    stamp(3);
-    gate_up_block<F, V>(rt, rg_smem, 0, nblocks, p.pair, p.tile, e);
-  } else {
-    gate_up_block<F, V>(rt, rg_smem, 0, nblocks, p.pair, p.tile, e, [&]() {
-      bulk_wait(&h_landed);
-      stamp(3);
-    });
-  }
+  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
 

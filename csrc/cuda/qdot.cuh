@@ -330,16 +330,6 @@ __device__ __forceinline__ T ld_row(const uint8_t* p) {
   }
 }
 
-// A dot product's prologue: work that warp_dot_q8t runs after its first batch of weight loads is issued and before
-// any of it is used (and before any activation is read: the prologue may produce them, e.g. wait for their copy
-// into shared memory). Its latency then overlaps the weights' first round trip. Every lane of the block must run it exactly once,
-// as warp_dot does on every path. NoPrologue: none (the reader's code is then the one without this feature).
-struct NoPrologue {
-  __device__ __forceinline__ void operator()() const {}
-};
-template <class P>
-constexpr bool has_prologue = !std::is_same_v<std::decay_t<P>, NoPrologue>;
-
 // A tiled row's step: Q8_0's fragments and arithmetic, on codes stored as q + 128 (tornado_moe.h).
 struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
@@ -352,14 +342,11 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-// With a prologue (a whole batch only) the prologue runs after its weight loads are issued.
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class P = NoPrologue>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT], P&& prologue = P{}) {
-  constexpr bool kAhead = has_prologue<P>;
-  static_assert(!kAhead || Full, "a prologue runs behind a whole batch");
+                                          float (&acc)[NR][NT]) {
   using T = Q8TiledTraits;
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
@@ -400,7 +387,6 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-  if constexpr (kAhead) prologue();
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
@@ -433,9 +419,9 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class P = NoPrologue>
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                             int64_t nblocks, float (&out)[NR][NT], P&& prologue = P{}) {
+                                             int64_t nblocks, float (&out)[NR][NT]) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31;
@@ -459,22 +445,6 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
   int g0 = 0;
-  if constexpr (has_prologue<P>) {  // the first batch, with the prologue behind its loads when it is a whole one
-    if (kGroups <= ngroups) {
-      q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, 0, ngroups, tail, scales, lane, acc,
-                                                       prologue);
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        code[r] += kGroups * 512;
-        scale[r] += kGroups * 32;
-      }
-#pragma unroll
-      for (int i = 0; i < NX; ++i) xg[i] += kGroups * 512;
-      g0 = kGroups;
-    } else {
-      prologue();
-    }
-  }
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
     q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
 #pragma unroll
@@ -563,19 +533,15 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
 //   SM       : the rows w[r] are copies in shared memory (tiled layouts only; bulk_row_to_smem in common.cuh).
-//   prologue : run by every lane once, before any activation is read (see NoPrologue); behind the first batch of
-//              weight loads on tiled rows, first on the other layouts.
-template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class P = NoPrologue>
+template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                         int64_t nblocks, float (&out)[NR][NT], P&& prologue = P{}) {
+                                         int64_t nblocks, float (&out)[NR][NT]) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   static_assert(!SM || fmt_tiled(F), "only the tiled reader reads rows from shared memory");
-  if constexpr (fmt_tiled(F)) {
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out, prologue);
-  } else {
-    prologue();
+  if constexpr (fmt_tiled(F))
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out);
+  else
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
-  }
 }
 
 // A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with
