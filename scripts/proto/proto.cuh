@@ -1,11 +1,17 @@
 // proto.cuh - what the standalone experiments in scripts/proto share: a CUDA call check that exits on failure,
-// and a launch under programmatic dependent launch as the product's kernels are launched (common.cuh's
-// configuration; the product's launch() itself reports through the library's error state, which they do not link).
+// a launch under programmatic dependent launch as the product's kernels are launched (common.cuh's
+// configuration; the product's launch() itself reports through the library's error state, which they do not link),
+// a timer over rotating weight copies, and random tiled Q8_0 rows with their float64 values.
 #ifndef TORNADO_MOE_PROTO_CUH
 #define TORNADO_MOE_PROTO_CUH
 
+#include <cuda_fp16.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
 
 #include "common.cuh"
 
@@ -25,6 +31,58 @@ void launch_pdl(K kernel, int blocks, int threads, size_t smem, cudaStream_t str
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(threads));
   const cudaLaunchConfig_t cfg = tm_cuda::launch_config(grid, block, smem, stream, true, &attr);
   CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// Microseconds per launch of launch(copy) over `copies` rotating weight copies (events around `iters` launches).
+template <class F>
+double time_us(F&& launch, int copies, int iters) {
+  for (int i = 0; i < copies; ++i) launch(i);
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaEventRecord(a));
+  for (int i = 0; i < iters; ++i) launch(i % copies);
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  CHECK(cudaGetLastError());
+  return 1e3 * ms / iters;
+}
+
+// `rows` random TM_Q8_0_TILED rows of `cols` values (codes uniform, scales 0.005-0.015), row_bytes apart.
+template <class Rng>
+std::vector<uint8_t> random_tiled_rows(int64_t rows, int64_t cols, Rng& rng) {
+  const int64_t row_bytes = tm_qtype_row_bytes(TM_Q8_0, cols), nb = cols / 32;
+  std::vector<uint8_t> w(row_bytes * rows);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> unit(0.5f, 1.5f);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* row = w.data() + r * row_bytes;
+    for (int64_t c = 0; c < cols; ++c) row[tm_q8t_code_offset(cols, c)] = static_cast<uint8_t>(byte(rng));
+    for (int64_t b = 0; b < nb; ++b) {
+      const __half h = __float2half(0.01f * unit(rng));
+      std::memcpy(row + tm_q8t_scale_offset(cols, b), &h, 2);
+    }
+  }
+  return w;
+}
+
+// Enough device copies of the weights w to rotate through more than the L2 (256 MB), back to back; their count.
+inline uint8_t* rotating_copies(const std::vector<uint8_t>& w, int* copies) {
+  const size_t bytes = w.size();
+  *copies = static_cast<int>((256ull << 20) / bytes + 1);
+  uint8_t* d = nullptr;
+  CHECK(cudaMalloc(&d, bytes * *copies));
+  for (int i = 0; i < *copies; ++i) CHECK(cudaMemcpy(d + bytes * i, w.data(), bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Value c of tiled row `row` (float64, for references).
+inline double tiled_value(const uint8_t* row, int64_t cols, int64_t c) {
+  __half h;
+  std::memcpy(&h, row + tm_q8t_scale_offset(cols, c / 32), 2);
+  return double(tm_q8t_code(row[tm_q8t_code_offset(cols, c)])) * double(__half2float(h));
 }
 
 #endif

@@ -86,57 +86,24 @@ Kernel kernel_for(int mode) {
   }
 }
 
-// Microseconds per launch of launch(copy) over `copies` rotating weight copies (events around `iters` launches).
-template <class F>
-double time_us(F&& launch, int copies, int iters) {
-  for (int i = 0; i < copies; ++i) launch(i);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < iters; ++i) launch(i % copies);
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  CHECK(cudaGetLastError());
-  return 1e3 * ms / iters;
-}
-
 template <int NR, bool W16>
 void run(const char* name, int rows, int cols) {
   std::mt19937 rng(1);
   const int64_t row_bytes = tm_qtype_row_bytes(TM_Q8_0, cols), nb = cols / 32;
   const int64_t bytes = row_bytes * rows;
-  std::vector<uint8_t> w(bytes);
-  std::uniform_int_distribution<int> byte(0, 255);
+  const std::vector<uint8_t> w = random_tiled_rows(rows, cols, rng);
   std::uniform_real_distribution<float> unit(0.5f, 1.5f);
-  for (int64_t r = 0; r < rows; ++r) {
-    uint8_t* row = w.data() + r * row_bytes;
-    for (int64_t c = 0; c < cols; ++c) row[tm_q8t_code_offset(cols, c)] = static_cast<uint8_t>(byte(rng));
-    for (int64_t b = 0; b < nb; ++b) {
-      const __half h = __float2half(0.01f * unit(rng));
-      std::memcpy(row + tm_q8t_scale_offset(cols, b), &h, 2);
-    }
-  }
   std::vector<float> x(cols);
   for (float& v : x) v = unit(rng) - 1.0f;
   std::vector<double> ref(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = w.data() + r * row_bytes;
     double sum = 0;
-    for (int64_t c = 0; c < cols; ++c) {
-      __half h;
-      std::memcpy(&h, row + tm_q8t_scale_offset(cols, c / 32), 2);
-      sum += double(tm_q8t_code(row[tm_q8t_code_offset(cols, c)])) * double(__half2float(h)) * double(x[c]);
-    }
+    for (int64_t c = 0; c < cols; ++c) sum += tiled_value(w.data() + r * row_bytes, cols, c) * double(x[c]);
     ref[r] = sum;
   }
-  const int copies = static_cast<int>((256ll << 20) / bytes + 1);
-  uint8_t* dw;
+  int copies = 0;
+  uint8_t* dw = rotating_copies(w, &copies);
   float *dx, *dy;
-  CHECK(cudaMalloc(&dw, bytes * copies));
-  for (int i = 0; i < copies; ++i) CHECK(cudaMemcpy(dw + bytes * i, w.data(), bytes, cudaMemcpyHostToDevice));
   CHECK(cudaMalloc(&dx, cols * 4));
   CHECK(cudaMalloc(&dy, rows * 4));
   CHECK(cudaMemcpy(dx, x.data(), cols * 4, cudaMemcpyHostToDevice));
