@@ -11,8 +11,8 @@
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
-# build's GPU tests), TUNING_BENCH=1 (and bench each; or a list of names: those only), TUNING_PROFILE=1 (and profile each); PROFILE_ARGS (the
-# profile stage's arguments, default `-n 8`);
+# build's GPU tests), TUNING_BENCH=1 (and bench each; or a comma list of names: those only), TUNING_PROFILE=1 (and
+# profile each benched one); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
 # -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
 # PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried

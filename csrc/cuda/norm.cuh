@@ -8,8 +8,8 @@
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
  * block_rms_inv evaluates it with a block of 256 threads (every warp sums the warp totals itself: one barrier);
- * block_rmsnorm writes y with it (tm_rmsnorm, the fused
- * attention input, the router and both kinds of fused gate-up block all normalise through it).
+ * block_rmsnorm writes y with it (tm_rmsnorm, the fused attention input, the router and both kinds of fused
+ * gate-up block all normalise through it).
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
 #define TORNADO_MOE_CUDA_NORM_CUH
@@ -28,7 +28,7 @@ __device__ __forceinline__ float rms_inv_from_sum(float ss, int64_t dim, float e
 __device__ __forceinline__ float rms_apply(float x, float inv, float w) { return __fmul_rn(__fmul_rn(x, inv), w); }
 
 // The per-thread part of the tree: ss over x[i] of this thread's indices (threadIdx.x + k * kNormThreads, in
-// increasing order), the first kHeld of them kept in `held` for the caller (no second read after the reduction).
+// increasing order), the first kNormHeld of them kept in `held` for the caller (no second read after the reduction).
 constexpr int kNormHeld = 8;
 __device__ __forceinline__ float thread_sum_sq(const float* x, int64_t dim, float (&held)[kNormHeld]) {
   float ss = 0.0f;
