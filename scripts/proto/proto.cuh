@@ -9,7 +9,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -83,6 +85,85 @@ inline double tiled_value(const uint8_t* row, int64_t cols, int64_t c) {
   __half h;
   std::memcpy(&h, row + tm_q8t_scale_offset(cols, c / 32), 2);
   return double(tm_q8t_code(row[tm_q8t_code_offset(cols, c)])) * double(__half2float(h));
+}
+
+// ---- pure reads (read_floor.cu, layer_flags.cu) ----
+// A 16-byte read-only load as its own volatile instruction: the U loads of a batch stay issued before their uses
+// (plain __ldg loads were interleaved with the sums by ptxas: 32 registers at U = 16).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t mix(uint4 v) { return (v.x ^ (v.y * 3u)) + (v.z ^ (v.w * 5u)); }
+
+// The checksum of this thread's grid-stride share of n16 16-byte words at p (U loads in flight): a wrapping sum of
+// mix(word), order-free, so every reader of the same bytes must give host_sum's.
+template <int U>
+__device__ __forceinline__ uint32_t stream_share(const uint4* p, int64_t n16) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = ld_stream(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc += mix(v[u]);
+  }
+  for (; i < n16; i += stride) acc += mix(ld_stream(p + i));
+  return acc;
+}
+
+// The host's checksum of the bytes [off, off + bytes) of `pool` (mix over 16-byte words, wrapping).
+inline uint32_t host_sum(const std::vector<uint32_t>& pool, int64_t off, int64_t bytes) {
+  uint32_t acc = 0;
+  for (int64_t i = off / 4; i < (off + bytes) / 4; i += 4) {
+    const uint32_t x = pool[i], y = pool[i + 1], z = pool[i + 2], w = pool[i + 3];
+    acc += (x ^ (y * 3u)) + (z ^ (w * 5u));
+  }
+  return acc;
+}
+
+// Pseudo-random words into p[0, n) (a hash of the index).
+static __global__ void fill(uint32_t* p, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u;
+    x ^= x >> 15;
+    p[i] = x * 2246822519u + static_cast<uint32_t>(i >> 32);
+  }
+}
+
+// Microseconds per replay of a graph that runs `body` (launches reading successive pool regions), median of 7.
+inline double time_graph(const std::function<void(cudaStream_t)>& body, cudaStream_t st) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  body(st);
+  CHECK(cudaStreamEndCapture(st, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphLaunch(ge, st));  // warm-up
+  CHECK(cudaStreamSynchronize(st));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms(7);
+  for (float& m : ms) {
+    CHECK(cudaEventRecord(a, st));
+    CHECK(cudaGraphLaunch(ge, st));
+    CHECK(cudaEventRecord(b, st));
+    CHECK(cudaEventSynchronize(b));
+    CHECK(cudaEventElapsedTime(&m, a, b));
+  }
+  CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  return 1e3 * ms[3];
 }
 
 #endif

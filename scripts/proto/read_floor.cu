@@ -28,33 +28,10 @@ namespace {
 
 constexpr int64_t kPool = int64_t{1} << 30;  // regions walked in order: one is read again only after ~1 GB of others
 
-// A 16-byte read-only load as its own volatile instruction: the U loads of a batch stay issued before their uses
-// (plain __ldg loads were interleaved with the sums by ptxas: 32 registers at U = 16).
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t mix(uint4 v) { return (v.x ^ (v.y * 3u)) + (v.z ^ (v.w * 5u)); }
-
-// The checksum: a wrapping sum over 16-byte words of mix(word), order-free, so every reader must give the host's.
 template <int U>
 __global__ void __launch_bounds__(256) read_ld(const uint4* __restrict__ p, int64_t n16, unsigned long long* sum) {
   tm_cuda::pdl_begin();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  uint32_t acc = 0;
-  for (; i + (U - 1) * stride < n16; i += U * stride) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = ld_stream(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < U; ++u) acc += mix(v[u]);
-  }
-  for (; i < n16; i += stride) acc += mix(ld_stream(p + i));
+  const uint32_t acc = stream_share<U>(p, n16);
   if (sum != nullptr) atomicAdd(sum, static_cast<unsigned long long>(acc));  // checks only (integer: exact)
 }
 
@@ -113,15 +90,6 @@ __global__ void __launch_bounds__(128, 1) read_bulk(const uint8_t* __restrict__ 
   if (sum != nullptr) atomicAdd(sum, static_cast<unsigned long long>(acc));
 }
 
-__global__ void fill(uint32_t* p, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u;
-    x ^= x >> 15;
-    p[i] = x * 2246822519u + static_cast<uint32_t>(i >> 32);
-  }
-}
-
 // A reader: launches one read of `bytes` at `src` (sum nullable).
 using Reader = std::function<void(const uint8_t* src, int64_t bytes, unsigned long long* sum, cudaStream_t)>;
 struct NamedReader {
@@ -148,43 +116,6 @@ NamedReader bulk_reader(int blocks_per_sm) {
           [blocks_per_sm, smem](const uint8_t* src, int64_t bytes, unsigned long long* sum, cudaStream_t st) {
             launch_pdl(read_bulk<S, C>, g_sms * blocks_per_sm, 128, smem, st, src, bytes, sum);
           }};
-}
-
-uint64_t host_sum(const std::vector<uint32_t>& pool, int64_t off, int64_t bytes) {
-  uint32_t acc = 0;
-  for (int64_t i = off / 4; i < (off + bytes) / 4; i += 4) {
-    const uint32_t x = pool[i], y = pool[i + 1], z = pool[i + 2], w = pool[i + 3];
-    acc += (x ^ (y * 3u)) + (z ^ (w * 5u));
-  }
-  return acc;
-}
-
-// Microseconds per replay of a graph that runs `body` (launches reading successive pool regions), median of 7.
-double time_graph(const std::function<void(cudaStream_t)>& body, cudaStream_t st) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  body(st);
-  CHECK(cudaStreamEndCapture(st, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  CHECK(cudaGraphLaunch(ge, st));  // warm-up
-  CHECK(cudaStreamSynchronize(st));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms(7);
-  for (float& m : ms) {
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(ge, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    CHECK(cudaEventElapsedTime(&m, a, b));
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  return 1e3 * ms[3];
 }
 
 }  // namespace
@@ -222,14 +153,14 @@ int main() {
   std::vector<uint32_t> host(kPool / 4);
   CHECK(cudaMemcpy(host.data(), pool, kPool, cudaMemcpyDeviceToHost));
   const int64_t cb = 24510464;
-  const uint64_t want = host_sum(host, 4096, cb);
+  const uint32_t want = host_sum(host, 4096, cb);
   for (const NamedReader& r : readers) {
     CHECK(cudaMemsetAsync(dsum, 0, 8, st));  // on the readers' stream (a non-blocking one)
     r.read(pool + 4096, cb, dsum, st);
     CHECK(cudaStreamSynchronize(st));
     unsigned long long got = 0;
     CHECK(cudaMemcpy(&got, dsum, 8, cudaMemcpyDeviceToHost));
-    if ((got & 0xffffffffull) != (want & 0xffffffffull)) {
+    if (static_cast<uint32_t>(got) != want) {
       std::printf("%s: checksum %llx, want %llx: WRONG\n", r.name.c_str(), got, static_cast<unsigned long long>(want));
       return 1;
     }
