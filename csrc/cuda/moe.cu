@@ -46,17 +46,12 @@ namespace {
 #ifndef TM_RGU_TIMELINE
 #define TM_RGU_TIMELINE 0
 #endif
-#ifndef TM_RGU_HOLD_SHARED  // a measurement knob, see router_experts_gate_up_kernel
-#define TM_RGU_HOLD_SHARED 0
-#endif
-#if TM_RGU_TIMELINE || TM_RGU_HOLD_SHARED
+#if TM_RGU_TIMELINE
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#endif
-#if TM_RGU_TIMELINE
 constexpr int kTimelineRows = 8192;
 constexpr uint32_t kDownTimelineRow0 = 4096;
 struct TimelineRow {
@@ -384,16 +379,6 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A measurement knob (results/NOTES.md lesson 53): 1 holds every shared block back after its norm until the token's
-// ids are out (its ids_ready word: top_k <= kIdsInFlag), so that a timeline build shows the router's path with nothing streaming beside it (the top-k took
-// 2.9 us beside streaming warps, ~0.6 us by its shuffles' latencies, lesson 47). Bounded by kHoldNs: the shared
-// blocks hold no ticket, so the router blocks may not be resident yet. The shared blocks read this call's tag from
-// the ticket word's epoch beside their norm. Timing only: no result changes. (a0b63e2 held back only the blocks on
-// blockIdx 0's SM: the top-k ran on another SM in 7 of 8 steps.)
-#if TM_RGU_HOLD_SHARED
-constexpr unsigned long long kHoldNs = 8000;
-#endif
-
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -419,18 +404,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
-#if TM_RGU_HOLD_SHARED
-    const RouterSync hs = router_sync(sync, n_tokens);
-    const uint32_t tag = threadIdx.x == 0 ? static_cast<uint32_t>(ld_relaxed_u64(hs.ticket) >> 32) + 1 : 0;
-#endif
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
-#if TM_RGU_HOLD_SHARED
-    if (threadIdx.x == 0) {
-      const unsigned long long t0 = global_ns();
-      while (tag_of(ld_relaxed_u64(hs.ids_ready + p.pair)) != tag && global_ns() - t0 < kHoldNs) __nanosleep(64);
-    }
-    __syncthreads();
-#endif
     stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
     stamp_end();

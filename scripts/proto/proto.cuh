@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -80,6 +81,16 @@ inline uint8_t* rotating_copies(const std::vector<uint8_t>& w, int* copies) {
   return d;
 }
 
+// max |y - ref| / max |ref| (infinite where y holds a NaN, e.g. a row no kernel wrote).
+inline double rel_err(const std::vector<float>& y, const std::vector<double>& ref) {
+  double worst = 0, scale = 0;
+  for (size_t r = 0; r < ref.size(); ++r) {
+    worst = std::isnan(y[r]) ? INFINITY : std::fmax(worst, std::fabs(y[r] - ref[r]));
+    scale = std::fmax(scale, std::fabs(ref[r]));
+  }
+  return worst / scale;
+}
+
 // Value c of tiled row `row` (float64, for references).
 inline double tiled_value(const uint8_t* row, int64_t cols, int64_t c) {
   __half h;
@@ -98,7 +109,10 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t mix(uint4 v) { return (v.x ^ (v.y * 3u)) + (v.z ^ (v.w * 5u)); }
+__host__ __device__ __forceinline__ uint32_t mix(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  return (x ^ (y * 3u)) + (z ^ (w * 5u));
+}
+__device__ __forceinline__ uint32_t mix(uint4 v) { return mix(v.x, v.y, v.z, v.w); }
 
 // The checksum of this thread's grid-stride share of n16 16-byte words at p (U loads in flight): a wrapping sum of
 // mix(word), order-free, so every reader of the same bytes must give host_sum's.
@@ -121,10 +135,7 @@ __device__ __forceinline__ uint32_t stream_share(const uint4* p, int64_t n16) {
 // The host's checksum of the bytes [off, off + bytes) of `pool` (mix over 16-byte words, wrapping).
 inline uint32_t host_sum(const std::vector<uint32_t>& pool, int64_t off, int64_t bytes) {
   uint32_t acc = 0;
-  for (int64_t i = off / 4; i < (off + bytes) / 4; i += 4) {
-    const uint32_t x = pool[i], y = pool[i + 1], z = pool[i + 2], w = pool[i + 3];
-    acc += (x ^ (y * 3u)) + (z ^ (w * 5u));
-  }
+  for (int64_t i = off / 4; i < (off + bytes) / 4; i += 4) acc += mix(pool[i], pool[i + 1], pool[i + 2], pool[i + 3]);
   return acc;
 }
 

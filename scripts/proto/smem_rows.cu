@@ -126,14 +126,9 @@ void run(const char* name, int rows, int cols) {
         copies, 400);
     std::vector<float> y(rows);
     CHECK(cudaMemcpy(y.data(), dy, rows * 4, cudaMemcpyDeviceToHost));
-    double worst = 0, scale = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      worst = std::isnan(y[r]) ? INFINITY : std::fmax(worst, std::fabs(y[r] - ref[r]));
-      scale = std::fmax(scale, std::fabs(ref[r]));
-    }
     if (mode == kBase) base_y = y;
     const bool same = std::memcmp(y.data(), base_y.data(), rows * 4) == 0;
-    const double err = worst / scale;
+    const double err = rel_err(y, ref);
     std::printf("  %-10s %d blocks/SM  %7.2f us  %6.0f GB/s  err %.1e  %s%s\n", kModeNames[mode], fit, us,
                 bytes / us / 1e3, err, same ? "bits = base" : "BITS DIFFER", err < 1e-5 ? "" : "  WRONG");
   }
