@@ -19,6 +19,7 @@
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
+# TESTS_MUST_PASS=1: stop after the tests stage if a test failed;
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -84,7 +85,9 @@ if want tests; then
   stamp "GPU tests"
   timeout -k 10 "$(left 200)" $PY -m pytest -q -ra -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$OUT/pytest_gpu.xml" ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
-  echo "pytest exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
+  rc=$?; echo "pytest exit $rc"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.log" | tail -25
+  # TESTS_MUST_PASS=1: a failing test ends the call here (a kernel that may hang is not benchmarked)
+  [ -n "${TESTS_MUST_PASS:-}" ] && [ "$rc" != 0 ] && { tail -60 "$OUT/pytest_gpu.log"; exit 1; }
 fi
 
 if want proto; then  # standalone benchmarks: nvcc against this tree's headers (the file's own directory first)

@@ -6,8 +6,9 @@ replayed; a launch's time is the replay time / reps (median of `--trials` replay
 copies (or, for routed experts, over different experts) that no launch finds its weights in the 60 MB L2, as
 in decode. Works with any tree of the package on PYTHONPATH (the baseline commit too): kernels a tree lacks
 are skipped. --layout tiled times the Q8_0 weight kernels on rows re-laid out as TM_Q8_0_TILED (what the
-engine uploads on CUDA). The last entry is a whole fused layer, its five launches chained. Prints a table;
---json writes {command, date, git_commit, gpu_name, copy_gb_s, pdl, layout, kernels}.
+engine uploads on CUDA). The last entries are a whole fused layer, its five launches chained, and the same
+with the FFN half in one launch (router_experts_ffn). Prints a table; --json writes {command, date,
+git_commit, gpu_name, copy_gb_s, pdl, layout, kernels}.
 """
 
 from __future__ import annotations
@@ -196,6 +197,20 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         out.append(("experts_down_accumulate (shared + 4 of 60)", H * (SFFN + TOPK * FFN) // 32 * 34,
                     experts_down))
 
+    if hasattr(K, "router_experts_ffn"):
+        def router_experts_ffn() -> Callable[[int], None]:
+            n = copies_for(2 * SFFN * rb + H * SFFN // 32 * 34)
+            sg, su, sd = q8_0(SFFN, H, n), q8_0(SFFN, H, n), q8_0(H, SFFN, n)
+            wg, wu, wd = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0], q8_0(E * H, FFN)[0]
+            xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]  # other experts each
+            scratch = torch.zeros(K.router_experts_ffn_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            return lambda i: K.router_experts_ffn(
+                xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], sd[i % n],
+                act_sh, SFFN, gate_inp, gate_sh, wg, wu, wd, act, 1, E, H, TOPK, False, FFN, scratch)
+        out.append(("router_experts_ffn (the whole FFN half)",
+                    E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb + H * (SFFN + TOPK * FFN) // 32 * 34,
+                    router_experts_ffn))
+
     logits = torch.empty(1, VOCAB, **f32)
     matmul("output (151936 x 2048)", VOCAB, H, h, logits, False)
 
@@ -206,15 +221,18 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
     parts = ["attn_qkv (qkv_rope)", "attention (ctx 144)", "attn_output (+residual)",
              "router_experts_gate_up (router + shared + 4 of 60)",
              "experts_down_accumulate (shared + 4 of 60)"]
-    if all(p in by_name for p in parts):
-        def layer() -> Callable[[int], None]:
-            launches = [by_name[p][1]() for p in parts]
+    ffn_parts = parts[:3] + ["router_experts_ffn (the whole FFN half)"]
+    for label, chain in (("layer (the 5 fused launches, chained)", parts),
+                         ("layer (4 launches: the FFN half in one)", ffn_parts)):
+        if all(p in by_name for p in chain):
+            def layer(chain: list[str] = chain) -> Callable[[int], None]:
+                launches = [by_name[p][1]() for p in chain]
 
-            def launch(i: int) -> None:
-                for f in launches:
-                    f(i)
-            return launch
-        out.append(("layer (the 5 fused launches, chained)", sum(by_name[p][0] for p in parts), layer))
+                def launch(i: int) -> None:
+                    for f in launches:
+                        f(i)
+                return launch
+            out.append((label, sum(by_name[p][0] for p in chain), layer))
     return out
 
 

@@ -165,7 +165,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
                            "--prompt-ids", "1,2", "--variants", "fused,per-slot", "--repeats", "2",
                            "--json", str(js), "--png", str(png))
     assert rc == 0, err
-    assert "router_experts_gate_up" in out and "routed_expert_gate_up" in out
+    assert "router_experts_ffn" in out and "routed_expert_gate_up" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(js.read_text())
     check_run_info(report)
@@ -192,7 +192,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         assert v["launches_per_token_measured"] == engine.launches_per_token
         assert v["launch_counts_agree"] is True and v["launch_mismatches"] == []
         assert v["steps"] == 2 + 3 - 1
-        routed = 2 if fused else 2 * k
+        routed = 1 if fused else 2 * k
         assert v["routed_launches_per_layer_declared"] == routed
         layers = [g for g in v["graphs"] if g["graph"].startswith("layer")]
         assert len(layers) == cfg.n_layers
@@ -203,19 +203,17 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         assert all(t["launches_measured"] == 1 for t in v["tasks"])
         assert all(isinstance(t["time_us"], float) and t["time_us"] > 0 for t in v["tasks"])
         assert tasks[("layer0", "attn_qkv")]["weight_bytes"] == qkv_bytes
-        if fused:  # the router, the shared expert's gate-up and every slot's: one launch; one for the downs
+        if fused:  # the router, the shared expert and every slot's gate-up and down: one launch
             router = nbytes("ffn_gate_inp") + 4 * cfg.hidden  # F32 router rows and the F32 ffn_norm
-            assert tasks[("layer0", "router_experts_gate_up")]["weight_bytes"] == pytest.approx(
-                router + sh_gate + sh_gate_up + gate_up * k / E)
-            assert tasks[("layer0", "experts_down_accumulate")]["weight_bytes"] == pytest.approx(
-                sh_down + down * k / E)
+            assert tasks[("layer0", "router_experts_ffn")]["weight_bytes"] == pytest.approx(
+                router + sh_gate + sh_gate_up + gate_up * k / E + sh_down + down * k / E)
         else:
             assert tasks[("layer0", "shared_expert_gate_up")]["weight_bytes"] == sh_gate_up
             for s in range(k):
                 assert tasks[("layer0", f"routed_expert_gate_up_{s}")]["weight_bytes"] == pytest.approx(
                     gate_up / E)
         kinds = {b["kind"] for b in v["by_kind"]}
-        assert ("router_experts_gate_up" in kinds) == fused
+        assert ("router_experts_ffn" in kinds) == fused
         assert ("routed_expert_gate_up" in kinds) != fused
 
 

@@ -13,6 +13,8 @@ import torch
 from conftest import GPU, device_params
 
 from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
+from tornado_moe.engine.buffers import Activations
+from tornado_moe.engine.layer_graphs import layer_graph
 from tornado_moe.errors import DeviceError, InputError
 from tornado_moe.kernels.ops import KERNEL_ARGS
 from tornado_moe.model.gguf_model import load_model
@@ -121,20 +123,26 @@ def test_declared_launch_counts(tiny) -> None:
     fused = Engine(tiny, EngineOptions(device="cpu", fuse_experts=True))
     per_slot = Engine(tiny, EngineOptions(device="cpu", fuse_experts=False))
 
-    experts = ("moe_gate_up", "experts_gate_up", "router_experts_gate_up", "moe_down_accumulate",
-               "experts_down_accumulate")
+    experts = ("moe_gate_up", "experts_gate_up", "router_experts_gate_up", "router_experts_ffn",
+               "moe_down_accumulate", "experts_down_accumulate")
 
     def routed(engine: Engine) -> list[str]:  # the expert launches that read the router's ids
         return [t.name for t in engine.graphs[1].tasks if t.kernel in experts
                 and t.args[KERNEL_ARGS[t.kernel].index("ids")] is not None]
 
-    # fused: the router and the shared expert's launches join the routed ones (two launches read the ids)
-    assert routed(fused) == ["router_experts_gate_up", "experts_down_accumulate"]
+    # fused decode step: the router, the shared expert and every slot's gate-up and down in one launch (the
+    # CPU counts its one call as one; on a GPU router_experts_ffn_launches decides, test_fused_kernels.py)
+    assert routed(fused) == ["router_experts_ffn"]
     assert "router_topk" not in [t.name for t in fused.graphs[1].tasks]
     assert len(routed(per_slot)) == 2 * cfg.top_k
     per_layer_diff = per_slot.graphs[1].launch_count - fused.graphs[1].launch_count
-    assert per_layer_diff == 2 * cfg.top_k + 1  # + the router, the shared expert's two - the two fused ones
+    assert per_layer_diff == 2 * cfg.top_k + 2  # + the router, the shared expert's two - the fused one
     assert per_slot.launches_per_token - fused.launches_per_token == cfg.n_layers * per_layer_diff
+    # a step of several tokens keeps the two fused launches
+    two = Activations(cfg, torch.device("cpu"), max_tokens=2, max_context=8)
+    prefill = layer_graph(fused.weights, two, 0, 2)
+    assert [t.name for t in prefill.tasks if t.kernel in experts] == ["router_experts_gate_up",
+                                                                      "experts_down_accumulate"]
 
 
 def test_context_overflow_is_a_clear_error(tiny) -> None:

@@ -9,6 +9,8 @@ the shapes the small kernel tests do not reach.
   zero; the shared-expert gate it writes is the float64 sigmoid's, and the down that reads it gives the bits
   of the down that computes it;
 - ``experts_down_accumulate`` == the shared expert's moe_down_accumulate then the routed one's, bit for bit;
+- ``router_experts_ffn`` == router_experts_gate_up then experts_down_accumulate, bit for bit (on an sm_90 GPU
+  one persistent launch), and the two share a scratch;
 - rows of thousands of values, odd block counts and rows that are only 2-byte aligned: against the float64
   reference, and the same bits whatever the alignment of the weights in memory.
 """
@@ -407,6 +409,105 @@ def test_the_shared_gate_comes_from_one_place(device: str) -> None:
     with pytest.raises(RuntimeError, match="not both"):
         K.experts_down_accumulate(8, w, act, gate_inp, gate, 4, w, act, ids, wt, h, x, n_tokens, 2, n_experts,
                                   hidden, 4)
+
+
+# ---- the whole FFN half in one launch ------------------------------------------------------------------
+
+# n_tokens, n_experts, top_k, ffn_sh, ffn, hidden: one launch on an sm_90 GPU (tiled rows), but the last
+FFN_SHAPES = [
+    (1, 60, 4, 512, 128, 256),  # qwen2moe's router; more blocks than row pairs or shared tiles: idle blocks
+    (1, 8, 4, 5632, 1408, 2048),  # Qwen1.5-MoE-A2.7B's expert shapes: several chunks of every kind a block
+    (1, 8, 2, 768, 384, 512),  # routed down rows of an odd multiple of 128 values (8-byte code words)
+    (1, 64, 1, 256, 256, 256),  # one slot, 64 experts
+    (2, 8, 2, 256, 128, 256),  # two tokens: the two launches
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("shape", FFN_SHAPES)
+def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: bool, shape: tuple) -> None:
+    """Every output (x, h, ids, weights, act_sh, act and the shared gate) equals router_experts_gate_up's then
+    experts_down_accumulate's, bit for bit, in three calls back to back on one scratch with a
+    router_experts_gate_up call between them on the same scratch (they share its epoch word)."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
+    if device == "cpu" and hidden > 1024:
+        pytest.skip("the CPU runs the two calls themselves; the large shape is for the GPU's schedule")
+    rng = np.random.default_rng(41)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        return tile_q8_0(ref.make_weights(rng, shape, 8, 0.1)[0].to(device), shape[-1])
+
+    gs, us, wd_sh = weights((ffn_sh, hidden)), weights((ffn_sh, hidden)), weights((hidden, ffn_sh))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    wd = weights((n_experts, hidden, ffn))
+    x0, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    w_router = randn(rng, (n_experts, hidden), device, 0.05)
+    gate_inp = randn(rng, (hidden,), device, 0.05) if gated else None
+    normalize = not gated
+
+    def outputs() -> list[torch.Tensor | None]:  # x, h, ids, weights, act_sh, act, gate
+        return [x0.clone(), poisoned((n_tokens, hidden), device),
+                torch.full((n_tokens, top_k), -1, dtype=torch.int32, device=device),
+                poisoned((n_tokens, top_k), device), poisoned((n_tokens, ffn_sh), device),
+                poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device) if gated else None]
+
+    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts)
+    assert words >= K.router_gate_up_scratch_words(n_tokens, n_experts)
+
+    def two_launches(scratch: torch.Tensor) -> list:
+        x, h, ids, wt, sh, act, gate = out = outputs()
+        K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, Q8_0_TILED, gs, us, sh, ffn_sh,
+                                 gate_inp, gate, g, u, act, n_tokens, n_experts, hidden, top_k, normalize,
+                                 ffn, scratch)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, sh, None, gate, ffn_sh, wd, act, ids, wt, h, x, n_tokens,
+                                  top_k, n_experts, hidden, ffn)
+        return out
+
+    want = two_launches(torch.zeros(words, dtype=torch.int32, device=device))
+    assert not any(torch.isnan(t).any() for t in want if t is not None and t.is_floating_point())
+    assert not torch.equal(want[0], x0) and (want[2] >= 0).all()
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
+    for call in range(3):
+        got = outputs()
+        x, h, ids, wt, sh, act, gate = got
+        K.router_experts_ffn(x, norm_w, 1e-6, h, w_router, ids, wt, Q8_0_TILED, gs, us, wd_sh, sh, ffn_sh,
+                             gate_inp, gate, g, u, wd, act, n_tokens, n_experts, hidden, top_k, normalize,
+                             ffn, scratch)
+        for name, a, b in zip(("x", "h", "ids", "weights", "act_sh", "act", "gate"), got, want, strict=True):
+            assert a is None or torch.equal(a, b), (call, name)
+        if call == 1:  # the other kernel on the same scratch in between
+            shared = two_launches(scratch)
+            assert all(a is None or torch.equal(a, b) for a, b in zip(shared, want, strict=True))
+    one = n_tokens == 1 and device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    want_launches = 1 if device == "cpu" or one else 2
+    assert K.router_experts_ffn_launches(device, Q8_0_TILED, n_tokens, n_experts, top_k, hidden, ffn_sh,
+                                         ffn) == want_launches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_experts_ffn_checks_its_arguments(device: str) -> None:
+    """A scratch too short for it (one router_experts_gate_up would take) and a gate row without its output
+    are errors; GGUF-layout rows are run as the two launches on a GPU."""
+    n_tokens, n_experts, hidden, ffn = 1, 4, 256, 128
+    w = torch.zeros(n_experts * hidden * 4, 34, dtype=torch.uint8, device=device)
+    x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
+    ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
+    act = torch.zeros(1, 2, ffn, device=device)
+    router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
+    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts), dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="scratch"):
+        K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, None, None, w, w, w,
+                             act, n_tokens, n_experts, hidden, 2, False, ffn, short)
+    scratch = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts), dtype=torch.int32,
+                          device=device)
+    with pytest.raises(RuntimeError, match="go together"):
+        K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, gate_inp, None, w, w, w,
+                             act, n_tokens, n_experts, hidden, 2, False, ffn, scratch)
+    assert K.router_experts_ffn_launches(device, 8, 1, n_experts, 2, hidden, ffn, ffn) == (
+        1 if device == "cpu" else 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

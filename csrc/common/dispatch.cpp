@@ -373,6 +373,40 @@ TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const flo
                     top_k, normalize ? 1 : 0, ffn, scratch, stream);
 }
 
+TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
+                                 const float* w_router, int32_t* ids, float* weights, int qtype,
+                                 const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,
+                                 int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh, const void* w_gate,
+                                 const void* w_up, const void* w_down, float* act, int64_t n_tokens,
+                                 int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
+                                 int32_t* scratch, void* stream) {
+  const char* fn = "tm_router_experts_ffn";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
+  TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate_sh", w_gate_sh, "w_up_sh", w_up_sh, h, "act_sh", act_sh, n_tokens, 1,
+                            0, 1, 1, "ffn_sh", ffn_sh, hidden));
+  TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, 0, top_k,
+                            n_experts, "ffn", ffn, hidden));
+  TM_TRY(check_down_args(fn, qtype, "w_down_sh", w_down_sh, "act_sh", act_sh, "gate_inp_sh", nullptr, h, x,
+                         n_tokens, 1, 0, 1, 1, hidden, "ffn_sh", ffn_sh));
+  TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
+                         0, top_k, n_experts, hidden, "ffn", ffn));
+  TM_TRY(check_ptr(fn, "scratch", scratch));
+  if ((gate_inp_sh == nullptr) != (gate_sh == nullptr))
+    return tm_set_error(kInvalid, "%s: 'gate_inp_sh' and 'gate_sh' go together (the gate row and its output)", fn);
+  return TM_FORWARD(router_experts_ffn, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                    w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act, n_tokens, n_experts,
+                    hidden, top_k, normalize ? 1 : 0, ffn, scratch, stream);
+}
+
+TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
+                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn) {
+  TM_TRY(check_device("tm_router_experts_ffn_launches", device));
+  if (device == TM_DEVICE_CPU) return 1;
+  return tm_cuda_router_experts_ffn_launches(qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn);
+}
+
 TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_down, const float* act,
                                   const int32_t* ids, const float* weights, const float* gate_inp, const float* h,
                                   float* x, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,

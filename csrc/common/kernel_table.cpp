@@ -115,6 +115,17 @@ const KernelRow kKernels[] = {
                                         ptr<int32_t>(a[23]), s);
      },
      0},
+    {"router_experts_ffn", "ppfppppqppppinnppppiiiibip",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_router_experts_ffn(d, ptr<float>(a[0]), ptr<const float>(a[1]), f32(a[2]), ptr<float>(a[3]),
+                                    ptr<const float>(a[4]), ptr<int32_t>(a[5]), ptr<float>(a[6]), i32(a[7]),
+                                    ptr<const void>(a[8]), ptr<const void>(a[9]), ptr<const void>(a[10]),
+                                    ptr<float>(a[11]), i64(a[12]), ptr<const float>(a[13]), ptr<float>(a[14]),
+                                    ptr<const void>(a[15]), ptr<const void>(a[16]), ptr<const void>(a[17]),
+                                    ptr<float>(a[18]), i64(a[19]), i64(a[20]), i64(a[21]), i64(a[22]), i32(a[23]),
+                                    i64(a[24]), ptr<int32_t>(a[25]), s);
+     },
+     0},
     {"moe_down_accumulate", "qppnnnnpiiiiiii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_moe_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),

@@ -45,6 +45,9 @@ struct Limits {
   int64_t max_grid_yz;  // blocks in y (and z) per launch: min(65535, device y/z limits, test cap)
   int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
   bool pdl;             // launch with programmatic dependent launch (TORNADO_MOE_PDL=0 turns it off)
+  int cc_major;         // compute capability (the copy engine's bulk copies need 9)
+  bool ffn_one_launch;  // tm_router_experts_ffn's persistent launch where it applies (TORNADO_MOE_FFN_ONE_LAUNCH=0:
+                        // its two-launch form, e.g. to measure one against the other)
 };
 int get_limits(Limits* out);
 
@@ -165,29 +168,52 @@ __device__ __forceinline__ void prefetch_row_l2(const void* row, int64_t bytes, 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// Lane 0: arm `bar` for `bytes` and start the copy of the row at src to dst.
-__device__ __forceinline__ void bulk_row_to_smem(uint8_t* dst, const uint8_t* src, uint32_t bytes, uint64_t* bar) {
-  const uint32_t b = smem_addr(bar);
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(b) : "memory");
+// The transaction barrier's operations (one thread each, but mbar_wait: every thread that waits).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+// Makes barrier initialisations visible to the copy engine (after mbar_init, before the copies that use them).
+__device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(b)
+}
+// One arrival that also expects `bytes` of copies to land before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
 }
-// Every lane: wait until the copy armed on `bar` has landed (after a __syncwarp that orders lane 0's init).
-__device__ __forceinline__ void bulk_wait(uint64_t* bar) {
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until the phase of parity `parity` of `bar` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t b = smem_addr(bar);
   uint32_t done = 0;
   do {
     asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(b)
+        : "r"(b), "r"(parity)
         : "memory");
   } while (!done);
 }
+// The copy engine moves `bytes` (a multiple of 16, both addresses 16-byte aligned) from src to dst and completes
+// them on `bar` (armed for them with mbar_arrive_expect_tx).
+__device__ __forceinline__ void bulk_copy_to_smem(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Lane 0: arm `bar` for `bytes` and start the copy of the row at src to dst.
+__device__ __forceinline__ void bulk_row_to_smem(uint8_t* dst, const uint8_t* src, uint32_t bytes, uint64_t* bar) {
+  mbar_init(bar, 1);
+  mbar_init_fence();
+  mbar_arrive_expect_tx(bar, bytes);
+  bulk_copy_to_smem(dst, src, bytes, bar);
+}
+// Every lane: wait until the copy armed on `bar` has landed (after a __syncwarp that orders lane 0's init).
+__device__ __forceinline__ void bulk_wait(uint64_t* bar) { mbar_wait(bar, 0); }
 
 // ---- flags between the blocks of one grid ------------------------------------------------------------------
 // Integer words only (never a floating-point atomic). A block may only wait for blocks that are already running

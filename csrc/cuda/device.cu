@@ -22,6 +22,7 @@ struct DeviceInfo {
   int max_grid_x = 0, max_grid_y = 0, max_grid_z = 0;
   int64_t smem_optin = 0;
   int64_t l2_bytes = 0;
+  int cc_major = 0;
   char name[256] = {0};
 };
 
@@ -54,6 +55,8 @@ int device_info(int device, DeviceInfo* out) {
     info.smem_optin = v;
     TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, device), what);
     info.l2_bytes = v;
+    TM_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device), what);
+    info.cc_major = v;
     cudaDeviceProp prop;
     TM_CUDA_TRY(cudaGetDeviceProperties(&prop, device), what);
     std::snprintf(info.name, sizeof(info.name), "%s", prop.name);
@@ -91,12 +94,17 @@ int get_limits(Limits* out) {
   const int64_t cap_smem = g_cap_smem.load(std::memory_order_relaxed);
   if (cap_smem > 0 && cap_smem < smem) smem = cap_smem;
   out->smem_block = smem;
-  // Read once per process: TORNADO_MOE_PDL=0 launches every kernel without programmatic dependent launch.
-  static const bool pdl = [] {
-    const char* v = std::getenv("TORNADO_MOE_PDL");
+  // Read once per process: TORNADO_MOE_PDL=0 launches every kernel without programmatic dependent launch;
+  // TORNADO_MOE_FFN_ONE_LAUNCH=0 runs tm_router_experts_ffn as its two launches.
+  auto env_on = [](const char* name) {
+    const char* v = std::getenv(name);
     return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  };
+  static const bool pdl = env_on("TORNADO_MOE_PDL");
+  static const bool ffn_one_launch = env_on("TORNADO_MOE_FFN_ONE_LAUNCH");
   out->pdl = pdl;
+  out->cc_major = info.cc_major;
+  out->ffn_one_launch = ffn_one_launch;
   return TM_OK;
 }
 

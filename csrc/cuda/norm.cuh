@@ -46,33 +46,49 @@ __device__ __forceinline__ float thread_sum_sq(const float* x, int64_t dim, floa
   return ss;
 }
 
-// inv from every thread's ss, by a block of exactly kNormThreads threads, with one barrier: each warp sums the 8
+// The barrier of the threads that normalise: the whole block (a block of kNormThreads threads), or threads
+// 0 .. kNormThreads - 1 of a larger block alone (named barrier `id`; a block whose other warps have other roles).
+struct BlockBarrier {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+template <int kId>
+struct NormWarpsBarrier {
+  __device__ __forceinline__ void operator()() const {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kNormThreads) : "memory");
+  }
+};
+
+// inv from every thread's ss, by threads 0 .. kNormThreads - 1, with one barrier: each warp sums the 8
 // warp totals itself (the same lanes, the same butterfly, so the same bits in every warp) instead of warp 0 summing
 // them for the block behind two more barriers. `scratch` holds kNormWarps floats; the caller must pass a barrier
 // before it writes them again (block_rmsnorm's closing one).
-__device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps, float* scratch) {
+template <class Barrier = BlockBarrier>
+__device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps, float* scratch,
+                                               Barrier barrier = {}) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   ss = warp_sum(ss);
   if (lane == 0) scratch[warp] = ss;
-  __syncthreads();
+  barrier();
   return rms_inv_from_sum(warp_sum(lane < kNormWarps ? scratch[lane] : 0.0f), dim, eps);
 }
 
-// out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by a block of
-// kNormThreads threads, then a barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads
+// out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by threads
+// 0 .. kNormThreads - 1 (the whole block, or with NormWarpsBarrier the first 8 warps of a larger one), then a
+// barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads
 // (it may be the output of the previous kernel), once: the first kNormHeld * kNormThreads values stay in
 // registers, as do their weights, loaded before the reduction so that their round trip overlaps x's. Each thread
 // writes only indices it read, after the reduction's barrier, so out may alias x. Two barriers in all (there were
 // four, and a second read of x: each is a round trip on the path of every block that normalises its input).
+template <class Barrier = BlockBarrier>
 __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
-                                              float* copy, float* scratch) {
+                                              float* copy, float* scratch, Barrier barrier = {}) {
   float wv[kNormHeld], xv[kNormHeld];
 #pragma unroll
   for (int k = 0; k < kNormHeld; ++k) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
     wv[k] = i < dim ? __ldg(w + i) : 0.0f;
   }
-  const float inv = block_rms_inv(thread_sum_sq(x, dim, xv), dim, eps, scratch);
+  const float inv = block_rms_inv(thread_sum_sq(x, dim, xv), dim, eps, scratch, barrier);
   auto put = [&](int64_t i, float v) {
     out[i] = v;
     if (copy != nullptr) copy[i] = v;
@@ -84,7 +100,7 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
   }
   for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads)
     put(i, rms_apply(x[i], inv, __ldg(w + i)));
-  __syncthreads();
+  barrier();
 }
 
 }  // namespace tm_cuda

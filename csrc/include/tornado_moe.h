@@ -238,6 +238,46 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
                                       float* x, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden,
                                       int64_t ffn, void* stream);
 
+/* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
+#define TM_FFN_MAX_BLOCKS 1024
+
+/* int32 words of the scratch tm_router_experts_ffn needs (it may also serve tm_router_experts_gate_up: they share
+ * its epoch word). */
+static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
+  const int64_t own = 2 * (128 + 4 * (int64_t)TM_FFN_MAX_BLOCKS);
+  const int64_t gate_up = tm_router_gate_up_scratch_words(n_tokens, n_experts);
+  return own > gate_up ? own : gate_up;
+}
+
+/* The whole MoE FFN half of a layer: bitwise
+ *   tm_router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh,
+ *                             gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden, top_k,
+ *                             normalize, ffn, scratch)
+ * followed by
+ *   tm_experts_down_accumulate(qtype, w_down_sh, act_sh, NULL, gate_sh, ffn_sh, w_down, act, ids, weights, h, x,
+ *                              n_tokens, top_k, n_experts, hidden, ffn)
+ * (every output of both: h, ids, weights, act_sh, gate_sh, act and x). w_down_sh [hidden, ffn_sh] and w_down
+ * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts)], as
+ * tm_router_experts_gate_up's. On CUDA a decode step (n_tokens = 1) of TM_Q8_0_TILED weights with hidden and
+ * ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 runs as ONE persistent launch on a
+ * device with the copy engine's bulk copies (compute capability 9; one block per multiprocessor, whose blocks wait
+ * for each other: the device must not be shared with other work that holds multiprocessors, as under MPS limits);
+ * elsewhere, or with TORNADO_MOE_FFN_ONE_LAUNCH=0, as the two launches above. tm_router_experts_ffn_launches says
+ * which. */
+TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
+                                 const float* w_router, int32_t* ids, float* weights, int qtype,
+                                 const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,
+                                 int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh, const void* w_gate,
+                                 const void* w_up, const void* w_down, float* act, int64_t n_tokens,
+                                 int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
+                                 int32_t* scratch, void* stream);
+
+/* Kernel launches tm_router_experts_ffn makes for these arguments on the current device of `device` (1: the
+ * persistent launch; 2: the two launches), its buffers being 16-byte aligned as torch and the tiled upload make
+ * them; the CPU's one call counts 1. Negative: an error (tm_last_error). */
+TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
+                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn);
+
 /* Greedy: out[t] = argmax_v logits[t, v], ties to the lowest id; NaN never wins. */
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
                      void* stream);

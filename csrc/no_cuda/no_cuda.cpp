@@ -57,6 +57,15 @@ int tm_cuda_router_experts_gate_up(const float*, const float*, float, float*, co
                                    void*) {
   return no_cuda("tm_router_experts_gate_up");
 }
+int tm_cuda_router_experts_ffn(float*, const float*, float, float*, const float*, int32_t*, float*, int,
+                               const void*, const void*, const void*, float*, int64_t, const float*, float*,
+                               const void*, const void*, const void*, float*, int64_t, int64_t, int64_t, int64_t, int,
+                               int64_t, int32_t*, void*) {
+  return no_cuda("tm_router_experts_ffn");
+}
+int tm_cuda_router_experts_ffn_launches(int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return no_cuda("tm_router_experts_ffn_launches");
+}
 int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, const float*, int64_t, const void*,
                                     const float*, const int32_t*, const float*, const float*, float*, int64_t,
                                     int64_t, int64_t, int64_t, int64_t, void*) {

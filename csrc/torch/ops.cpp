@@ -319,6 +319,43 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                                     normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
 }
 
+void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
+                        const Tensor& ids, const Tensor& weights, int64_t qtype, const Tensor& w_gate_sh,
+                        const Tensor& w_up_sh, const Tensor& w_down_sh, const Tensor& act_sh, int64_t ffn_sh,
+                        const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
+                        const Tensor& w_up, const Tensor& w_down, const Tensor& act, int64_t n_tokens,
+                        int64_t n_experts, int64_t hidden, int64_t top_k, bool normalize, int64_t ffn,
+                        const Tensor& scratch, int64_t stream) {
+  Args a("tornado_moe.router_experts_ffn");
+  const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
+  const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
+                                                   n_tokens, top_k, n_experts, ffn, hidden);
+  const void* ds_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
+  const void* d_p = a.weights(w_down, "w_down", qtype, n_experts * hidden * row_bytes(qtype, ffn));
+  float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);  // router_ptrs checked it as the norm's input
+  const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
+  float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
+  int32_t* sc_p =
+      a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts));
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_router_experts_ffn(a.device(), x_p, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
+                                static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, ds_p, g.act_sh, ffn_sh, gi_p, gs_p,
+                                g.w_gate, g.w_up, d_p, g.act, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
+                                ffn, sc_p, as_stream(stream)));
+}
+
+int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
+  return tm_router_experts_ffn_scratch_words(n_tokens, n_experts);
+}
+
+int64_t router_experts_ffn_launches(bool cuda, int64_t qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
+                                    int64_t hidden, int64_t ffn_sh, int64_t ffn) {
+  const int n = tm_router_experts_ffn_launches(cuda ? TM_DEVICE_CUDA : TM_DEVICE_CPU, static_cast<int>(qtype),
+                                               n_tokens, n_experts, top_k, hidden, ffn_sh, ffn);
+  TORCH_CHECK(n > 0, "tornado_moe.router_experts_ffn_launches: ", tm_last_error(), " (status ", num(n), ")");
+  return n;
+}
+
 int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
   return tm_router_gate_up_scratch_words(n_tokens, n_experts);
 }
@@ -443,6 +480,11 @@ TORCH_LIBRARY(tornado_moe, m) {
         "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
         "Tensor? gate_inp_sh, Tensor(g!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, "
         "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
+  m.def("router_experts_ffn(Tensor(a!) x, Tensor norm_w, float eps, Tensor(b!) h, Tensor w_router, Tensor(c!) ids, "
+        "Tensor(d!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor w_down_sh, Tensor(e!) act_sh, "
+        "int ffn_sh, Tensor? gate_inp_sh, Tensor(f!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor w_down, "
+        "Tensor(g!) act, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int ffn, "
+        "Tensor(h!) scratch, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
@@ -462,6 +504,10 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
   m.def("version() -> str", &version);
   m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
+  m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts) -> int", &router_experts_ffn_scratch_words);
+  m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
+        "int ffn_sh, int ffn) -> int",
+        &router_experts_ffn_launches);
 }
 
 // One marshalling function per op serves both dispatch keys: the C ABI picks the backend from the device.
@@ -477,6 +523,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("moe_gate_up", &moe_gate_up);                     \
   m.impl("experts_gate_up", &experts_gate_up);             \
   m.impl("router_experts_gate_up", &router_experts_gate_up); \
+  m.impl("router_experts_ffn", &router_experts_ffn);       \
   m.impl("moe_down_accumulate", &moe_down_accumulate);     \
   m.impl("experts_down_accumulate", &experts_down_accumulate); \
   m.impl("argmax", &argmax);                               \

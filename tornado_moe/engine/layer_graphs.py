@@ -10,7 +10,9 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   give bitwise identical hidden states:
   - fused (default): ``router_experts_gate_up`` (the router, the shared expert's gate-up and all slots' in one
     launch: the shared rows stream while the router runs) and ``experts_down_accumulate`` (the shared
-    expert's down, then the slots in order, in one launch): 5 launches per layer; when the shared expert's
+    expert's down, then the slots in order, in one launch): 5 launches per layer; a decode step (one token)
+    that the library can run as one persistent launch (``router_experts_ffn_launches``: tiled Q8_0 on an sm_90
+    GPU, and the CPU) has ``router_experts_ffn`` instead, both in one launch: 4; when the shared expert's
     formats differ from the routed ones', or there is none, ``router_topk``, ``shared_expert_gate_up``,
     ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and ``routed_experts_down_accumulate``;
   - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
@@ -30,6 +32,7 @@ import torch
 from tornado_moe.engine.buffers import Activations, DeviceModel, DeviceWeight
 from tornado_moe.errors import InputError
 from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
+from tornado_moe.kernels import ops as tm_ops
 from tornado_moe.kernels.ops import u64_as_int64
 
 
@@ -158,6 +161,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
             gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
                       gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
+        # A decode step whose FFN half the library runs in one launch (csrc/cuda/moe_ffn.cu): one task.
+        if (fuse_router and T == 1 and sd.qtype == wd.qtype == qt
+                and tm_ops.router_experts_ffn_launches(dm.device, qt, T, E, k, H, dffn, ffn) == 1):
+            gate_ups = [("router_experts_ffn", "router_experts_ffn", *router_io, qt, sg.data, su.data,
+                         sd.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, wd.data, act.act, T,
+                         E, H, k, cfg.normalize_topk, ffn, act.router_scratch)]
+            downs = []
     for task in ([router_task] if router_task else []) + gate_ups + downs:
         g.task(*task)
     return g.snapshot()

@@ -37,6 +37,9 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_router_topk",
     "rope_kv_append",
+    "router_experts_ffn",
+    "router_experts_ffn_launches",
+    "router_experts_ffn_scratch_words",
     "router_experts_gate_up",
     "router_gate_up_scratch_words",
     "router_topk",
@@ -72,6 +75,10 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                                "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                                "w_up", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn",
                                "scratch"),
+    "router_experts_ffn": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype", "w_gate_sh",
+                           "w_up_sh", "w_down_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
+                           "w_up", "w_down", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize",
+                           "ffn", "scratch"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
@@ -340,6 +347,58 @@ def router_experts_gate_up(
 def router_gate_up_scratch_words(n_tokens: int, n_experts: int) -> int:
     """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts."""
     return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts))
+
+
+def router_experts_ffn(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    h: torch.Tensor,
+    w_router: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    qtype: int,
+    w_gate_sh: torch.Tensor,
+    w_up_sh: torch.Tensor,
+    w_down_sh: torch.Tensor,
+    act_sh: torch.Tensor,
+    ffn_sh: int,
+    gate_inp_sh: torch.Tensor | None,
+    gate_sh: torch.Tensor | None,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: torch.Tensor,
+    n_tokens: int,
+    n_experts: int,
+    hidden: int,
+    top_k: int,
+    normalize: bool,
+    ffn: int,
+    scratch: torch.Tensor,
+) -> None:
+    """The whole MoE FFN half of a layer: router_experts_gate_up then experts_down_accumulate (with the gate
+    factors gate_sh), bitwise. On an sm_90 GPU a decode step (``n_tokens == 1``, tiled Q8_0) is ONE persistent
+    launch whose weights stream through shared memory while the router runs (see
+    ``router_experts_ffn_launches``). ``scratch``: int32, ``router_experts_ffn_scratch_words(n_tokens,
+    n_experts)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
+    _ops().router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                              w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act,
+                              n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(x))
+
+
+def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int) -> int:
+    """int32 elements of the scratch router_experts_ffn needs (enough for router_experts_gate_up too)."""
+    return int(_ops().router_experts_ffn_scratch_words(n_tokens, n_experts))
+
+
+def router_experts_ffn_launches(device: torch.device | str, qtype: int, n_tokens: int, n_experts: int,
+                                top_k: int, hidden: int, ffn_sh: int, ffn: int) -> int:
+    """Kernel launches router_experts_ffn makes for these shapes on ``device``'s current GPU: 1 (the
+    persistent launch) or 2 (its two-launch form); 1 on the CPU (one call)."""
+    cuda = torch.device(device).type == "cuda"
+    ops = _ops()
+    return int(ops.router_experts_ffn_launches(cuda, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn))
 
 
 def moe_down_accumulate(

@@ -74,8 +74,8 @@ def graph_kind(graph: str) -> str:
 
 def _is_routed(kernel: str, args: Sequence[Any]) -> bool:
     """A routed-expert launch: an expert kernel that reads per-token expert ids (shared/dense FFNs do not)."""
-    if kernel not in ("moe_gate_up", "experts_gate_up", "router_experts_gate_up", "moe_down_accumulate",
-                      "experts_down_accumulate"):
+    if kernel not in ("moe_gate_up", "experts_gate_up", "router_experts_gate_up", "router_experts_ffn",
+                      "moe_down_accumulate", "experts_down_accumulate"):
         return False
     return dict(zip(KERNEL_ARGS[kernel], args, strict=True))["ids"] is not None
 

@@ -84,6 +84,22 @@ def _experts_gate_up_bytes(T: int, a: dict) -> TaskBytes:
     return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - F32 * T * a["hidden"])
 
 
+def _router_experts_gate_up_bytes(T: int, a: dict) -> TaskBytes:
+    """The two tasks it stands for, and the shared gate (its row, T written)."""
+    r, g = _rmsnorm_router_bytes(T, a), _experts_gate_up_bytes(T, a)
+    gate_out = F32 * T if a["gate_sh"] is not None else 0
+    return TaskBytes(r.weights + g.weights + _nbytes(a["gate_inp_sh"]),
+                     r.activations + g.activations + gate_out)
+
+
+def _experts_down_bytes(T: int, a: dict) -> TaskBytes:
+    """Both halves, x read and written once; gate_sh read as shared weights."""
+    sh = _down_bytes(T, a["w_down_sh"], None, a["gate_sh"], a["gate_inp_sh"], 1, 1, a["ffn_sh"], a["hidden"])
+    rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
+                     a["hidden"])
+    return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - 2 * F32 * T * a["hidden"])
+
+
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
     names = KERNEL_ARGS.get(task.kernel)
@@ -125,17 +141,13 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
                            a["n_experts"], a["ffn"], a["hidden"])
     if k == "experts_gate_up":
         return _experts_gate_up_bytes(T, a)
-    if k == "router_experts_gate_up":  # the two tasks it stands for, and the shared gate (its row, T written)
-        r, g = _rmsnorm_router_bytes(T, a), _experts_gate_up_bytes(T, a)
-        gate_out = F32 * T if a["gate_sh"] is not None else 0
-        return TaskBytes(r.weights + g.weights + _nbytes(a["gate_inp_sh"]),
-                         r.activations + g.activations + gate_out)
-    if k == "experts_down_accumulate":  # both halves, x read and written once; gate_sh read as shared weights
-        sh = _down_bytes(T, a["w_down_sh"], None, a["gate_sh"], a["gate_inp_sh"], 1, 1, a["ffn_sh"],
-                         a["hidden"])
-        rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
-                         a["hidden"])
-        return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - 2 * F32 * T * a["hidden"])
+    if k == "router_experts_gate_up":
+        return _router_experts_gate_up_bytes(T, a)
+    if k == "experts_down_accumulate":
+        return _experts_down_bytes(T, a)
+    if k == "router_experts_ffn":  # the two tasks it stands for, the down reading the gate factors gate_sh
+        g, d = _router_experts_gate_up_bytes(T, a), _experts_down_bytes(T, {**a, "gate_inp_sh": None})
+        return TaskBytes(g.weights + d.weights, g.activations + d.activations)
     if k == "argmax":
         return TaskBytes(0, F32 * T * a["vocab"] + I32 * T)
     if k == "sample":

@@ -43,6 +43,10 @@ public class NativeKernelTableTest {
                                                                   // shared gate up act ffn gate_inp? gate?,
                                                                   // gate up act, T E hidden top_k, normalize,
                                                                   // ffn, scratch
+        m.put("router_experts_ffn", "ppfppppqppppinnppppiiiibip"); // x norm_w eps h w_router ids weights, qtype
+                                                               // shared gate up down act ffn gate_inp? gate?,
+                                                               // gate up down act, T E hidden top_k, normalize,
+                                                               // ffn, scratch
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
         m.put("experts_down_accumulate", "qppnnipppnnpiiiii"); // qtype, shared down act gate_inp? gate? ffn,
                                                               // down act ids weights? h? x, 5 ints

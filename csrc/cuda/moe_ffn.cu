@@ -1,0 +1,525 @@
+/*
+ * moe_ffn.cu - tm_router_experts_ffn on CUDA: the whole FFN half of a qwen2moe decode step (RMSNorm, router,
+ * softmax, top-k, the shared expert's gate-up and down, every routed slot's gate-up and down, the residual add) in
+ * ONE persistent launch, bitwise tm_router_experts_gate_up followed by tm_experts_down_accumulate.
+ *
+ * Why: in two launches the FFN half took ~33 us a layer on the H200 for 73.5 MB of weights (17 us at copy
+ * bandwidth). Each launch is one to three waves of short blocks that pay their own round trips, the routed blocks
+ * cannot stream before the router's ids, and the down's blocks wait for the gate-up grid's end (results/NOTES.md,
+ * lessons 43-62). Here the weights stream through a ring of shared memory by the copy engine, independently of the
+ * dependencies between the steps: those only hold back the arithmetic, never the memory system.
+ *
+ * The launch: one block per multiprocessor (all co-resident: the blocks wait for each other), 18 warps:
+ *   warps 0-15  consumers, two groups of 8; group g takes the block's chunks q with q % 2 == g, a job per warp;
+ *   warp 16     producer: its lane 0 copies the block's chunks, in order, into kFfnStages stages of shared memory
+ *               (cp.async.bulk, completion on a transaction barrier per stage, a second barrier per stage for the
+ *               group that frees it). It starts at the kernel's first instruction: weights are immutable, so under
+ *               programmatic dependent launch (common.cuh) the first chunks land while the previous kernel runs;
+ *               the routed chunks follow once the ids are out;
+ *   warp 17     router: the router rows (and the shared-expert gate row) block b, b + G, ...; block 0's then
+ *               runs the top-k.
+ * A block's chunks, in this order (a function of block, grid and shapes that producer and consumers compute alike):
+ *   SG  the shared expert's gate-up tiles of 8 row pairs: tile c of ceil(ffn_sh / 8) is block c % G's;
+ *   SD  the shared down's rows of the block's output rows [row0, row0 + rows) (row pairs spread evenly), 8 a chunk;
+ *   RG  routed gate-up tiles (slot, 8 row pairs of expert ids[slot]): tile c is block (c + ceil(ffn_sh / 8)) % G's
+ *       (a block with one SG tile more has one RG tile less);
+ *   RD  the routed down's rows of the block's output rows, per slot, 16 a chunk (a row pair a warp).
+ * Dependencies between blocks are 64-bit words tagged with the call's epoch (common.cuh), so nothing is cleared:
+ *   h       every block normalises x itself on its first 8 warps (norm.cuh's tree: the h of every other kernel);
+ *   logits  one tagged word per router row; block 0's router warp polls them, runs router.cuh's top-k, stores the
+ *           slot weights as tagged words and then the ids packed into the ids word (the gate's sigmoid likewise);
+ *   act_sh  a group releases its word (st.release) once its SG chunks are done; SD waits for all 2 G of them;
+ *   act     the same, RG -> RD; RG (and the producer before its first routed chunk) read the ids word.
+ * Finally each block adds its rows' terms into x in the order of the two launches: x + shared, then slot 0, 1, ...
+ * Every dot product is qdot.cuh's warp_dot on the same rows (read from shared memory: its SM reader) and every
+ * epilogue the same rounded operations as moe.cu's kernels, so every output is theirs bit for bit.
+ */
+#include <algorithm>
+
+#include "norm.cuh"
+#include "router.cuh"
+
+namespace tm_cuda {
+namespace {
+
+constexpr int kFfnGroupWarps = 8;
+constexpr int kFfnConsumers = 2 * kFfnGroupWarps * 32;      // threads 0 .. 511
+constexpr int kFfnProducerWarp = 2 * kFfnGroupWarps;        // warp 16
+constexpr int kFfnRouterWarp = kFfnProducerWarp + 1;        // warp 17
+constexpr int kFfnThreads = (kFfnRouterWarp + 1) * 32;
+constexpr int kFfnStages = 4;  // even, so that a stage always serves the same group
+constexpr int kTileRows = 8;   // SG / RG chunk: a row pair a warp
+constexpr int kSdRows = 8;     // SD chunk: a row a warp
+constexpr int kRdRows = 16;    // RD chunk: a row pair a warp
+constexpr int kFfnMaxSlots = 4;                  // ids packed in one word
+constexpr int kFfnMaxExperts = 64;               // router_topk_warp
+constexpr int kFfnMaxBlocks = TM_FFN_MAX_BLOCKS;  // act flags in the scratch
+// Named barriers (0 is __syncthreads): 1, 2 a group's 8 warps (1 also the norm's); 3 the consumers and the router
+// warp (h and the tag are in shared memory); 4 the consumers.
+constexpr int kBarH = 3, kBarConsumers = 4;
+enum ChunkKind : int { kSG, kSD, kRG, kRD };
+
+template <int kThreads>
+__device__ __forceinline__ void named_barrier(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// The scratch, in 64-bit words: word 0 is the ticket word of tm_router_experts_gate_up (the same epoch counter, so
+// that the two kernels may share a scratch: every word either of them reads carries the epoch of its call).
+struct FfnSync {
+  unsigned long long* ticket;
+  unsigned long long* ids;      // tag | the ids, 8 bits a slot
+  unsigned long long* gate;     // tag | the float bits of sigmoid(gate_inp_sh . h)
+  unsigned long long* weights;  // [kFfnMaxSlots] tag | a slot weight's float bits
+  unsigned long long* logits;   // [kFfnMaxExperts]
+  unsigned long long* sh_done;  // [2 G] a group's SG chunks are stored
+  unsigned long long* rt_done;  // [2 G] a group's RG chunks are stored
+};
+__device__ __forceinline__ FfnSync ffn_sync(int32_t* scratch) {
+  auto* w = reinterpret_cast<unsigned long long*>(scratch);
+  return FfnSync{w, w + 32, w + 33, w + 34, w + 40, w + 128, w + 128 + 2 * kFfnMaxBlocks};
+}
+
+struct FfnArgs {
+  float* x;  // normalised by every block, then each block's rows of it updated in place
+  const float* norm_w;
+  float eps;
+  float* h;
+  const float* w_router;
+  int router_mode;
+  const float* gate_inp;  // nullable
+  int gate_mode;
+  float* gate_out;
+  int32_t* ids;
+  float* weights;
+  int normalize;
+  const uint8_t *w_gate_sh, *w_up_sh, *w_down_sh, *w_gate, *w_up, *w_down;
+  float* act_sh;
+  float* act;
+  int32_t* scratch;
+  int hidden, ffn_sh, ffn, n_experts, top_k;
+  uint32_t rb_h, rb_fs, rb_f;  // row bytes: gate/up rows, shared down rows, routed down rows
+  uint32_t stage_bytes;
+  int n_sg, rg_tiles, rows_max;  // SG tiles, RG tiles per slot, output rows a block at most
+};
+
+// The block's share of the work.
+struct BlockWork {
+  int n_sg, n_sd, n_rg, n_rd;  // chunks of each kind, in sequence order
+  int row0, rows;              // output rows
+  int rg_first;                // its first RG tile
+  int rd_pieces;               // RD chunks per slot
+};
+__device__ __forceinline__ BlockWork block_work(const FfnArgs& a, int b, int grid) {
+  auto share = [&](int n, int first) { return first < n ? (n - 1 - first) / grid + 1 : 0; };
+  BlockWork w;
+  w.n_sg = share(a.n_sg, b);
+  const int pairs = a.hidden / 2, base = pairs / grid, extra = pairs % grid;
+  const int more = b >= grid - extra ? 1 : 0;  // the last `extra` blocks take a pair more
+  w.row0 = 2 * (b * base + (more ? b - (grid - extra) : 0));
+  w.rows = 2 * (base + more);
+  w.n_sd = (w.rows + kSdRows - 1) / kSdRows;
+  w.rg_first = ((b - a.n_sg % grid) % grid + grid) % grid;
+  w.n_rg = share(a.top_k * a.rg_tiles, w.rg_first);
+  w.rd_pieces = (w.rows + kRdRows - 1) / kRdRows;
+  w.n_rd = a.top_k * w.rd_pieces;
+  return w;
+}
+
+struct Chunk {
+  int kind, slot, first, n;  // first row (of the tile, or output row) and rows
+};
+__device__ __forceinline__ Chunk chunk_at(const FfnArgs& a, const BlockWork& w, int b, int grid, int q) {
+  if (q < w.n_sg) {
+    const int first = (b + q * grid) * kTileRows;
+    return Chunk{kSG, 0, first, min(kTileRows, a.ffn_sh - first)};
+  }
+  q -= w.n_sg;
+  if (q < w.n_sd) return Chunk{kSD, 0, w.row0 + q * kSdRows, min(kSdRows, w.rows - q * kSdRows)};
+  q -= w.n_sd;
+  if (q < w.n_rg) {
+    const int c = w.rg_first + q * grid, slot = c / a.rg_tiles, first = (c - slot * a.rg_tiles) * kTileRows;
+    return Chunk{kRG, slot, first, min(kTileRows, a.ffn - first)};
+  }
+  q -= w.n_rg;
+  const int slot = q / w.rd_pieces, piece = q - slot * w.rd_pieces;
+  return Chunk{kRD, slot, w.row0 + piece * kRdRows, min(kRdRows, w.rows - piece * kRdRows)};
+}
+
+// The epoch tag of this call, once consumer thread 0 has taken the ticket (0 before).
+__device__ __forceinline__ uint32_t wait_tag(const volatile uint32_t* s_tag) {
+  uint32_t tag;
+  while ((tag = *s_tag) == 0) __nanosleep(TM_FLAG_SPIN_NS);
+  return tag;
+}
+// The payload of a tagged word once it carries `tag` (relaxed polls: the payload is all the reader needs).
+__device__ __forceinline__ uint32_t wait_tagged(const unsigned long long* w, uint32_t tag) {
+  for (;;) {
+    const unsigned long long v = ld_relaxed_u64(w);
+    if (tag_of(v) == tag) return static_cast<uint32_t>(v);
+    __nanosleep(TM_FLAG_SPIN_NS);
+  }
+}
+// One warp: until all n words carry `tag`, with acquire loads (what their writers released is then visible to the
+// block's threads past the next barrier).
+__device__ __forceinline__ void wait_all_released(const unsigned long long* w, int n, uint32_t tag, int lane) {
+  for (;;) {
+    bool ok = true;
+    for (int i = lane; i < n; i += 32) ok = ok && tag_of(ld_acquire_u64(w + i)) == tag;
+    if (__all_sync(kFullMask, ok)) return;
+    __nanosleep(TM_FLAG_SPIN_NS);
+  }
+}
+
+// Producer (one thread): every chunk of the block into the ring, in order.
+__device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, uint64_t* full,
+                                             uint64_t* empty, const volatile uint32_t* s_tag) {
+  const int b = blockIdx.x, grid = gridDim.x;
+  const int total = w.n_sg + w.n_sd + w.n_rg + w.n_rd;
+  const FfnSync sy = ffn_sync(a.scratch);
+  uint32_t ids = 0;
+  bool have_ids = false;
+  for (int q = 0; q < total; ++q) {
+    const Chunk c = chunk_at(a, w, b, grid, q);
+    const int stage = q % kFfnStages;
+    if (q >= kFfnStages) mbar_wait(&empty[stage], ((q / kFfnStages) - 1) & 1);
+    if (c.kind >= kRG && !have_ids) {
+      ids = wait_tagged(sy.ids, wait_tag(s_tag));
+      have_ids = true;
+    }
+    uint8_t* dst = ring + static_cast<size_t>(stage) * a.stage_bytes;
+    const int64_t e = static_cast<int64_t>((ids >> (8 * c.slot)) & 0xffu);
+    if (c.kind == kSG || c.kind == kRG) {  // gate rows at 0, up rows at kTileRows rows
+      const int64_t row = (c.kind == kRG ? e * a.ffn : 0) + c.first;
+      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_h;
+      const uint8_t* g = (c.kind == kRG ? a.w_gate : a.w_gate_sh) + row * a.rb_h;
+      const uint8_t* u = (c.kind == kRG ? a.w_up : a.w_up_sh) + row * a.rb_h;
+      mbar_arrive_expect_tx(&full[stage], 2 * bytes);
+      bulk_copy_to_smem(dst, g, bytes, &full[stage]);
+      bulk_copy_to_smem(dst + kTileRows * a.rb_h, u, bytes, &full[stage]);
+    } else if (c.kind == kSD) {
+      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_fs;
+      mbar_arrive_expect_tx(&full[stage], bytes);
+      bulk_copy_to_smem(dst, a.w_down_sh + static_cast<int64_t>(c.first) * a.rb_fs, bytes, &full[stage]);
+    } else {
+      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_f;
+      mbar_arrive_expect_tx(&full[stage], bytes);
+      bulk_copy_to_smem(dst, a.w_down + (e * a.hidden + c.first) * a.rb_f, bytes, &full[stage]);
+    }
+  }
+}
+
+// Router warp: the router rows b, b + G, ... (row n_experts: the shared-expert gate), then in block 0 the top-k.
+// The same functions and operands as moe.cu's router blocks.
+__device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, uint32_t tag, Pick* list) {
+  const int lane = threadIdx.x & 31;
+  const FfnSync sy = ffn_sync(a.scratch);
+  const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    const bool gate_row = r == a.n_experts;
+    const float* row = gate_row ? a.gate_inp : a.w_router + static_cast<int64_t>(r) * a.hidden;
+    const float v = warp_dot_f32_row(gate_row ? a.gate_mode : a.router_mode, row, h_s, a.hidden);
+    if (lane == 0) {
+      if (gate_row) {
+        const float g = sigmoid_f32(v);
+        a.gate_out[0] = g;
+        tagged_store(sy.gate, tag, __float_as_uint(g));
+      } else {
+        tagged_store(sy.logits + r, tag, __float_as_uint(v));
+      }
+    }
+  }
+  if (blockIdx.x != 0) return;
+  float l[2] = {0.0f, 0.0f};
+  for (;;) {
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int e = lane + 32 * k;
+      if (e < a.n_experts) {
+        const unsigned long long v = ld_relaxed_u64(sy.logits + e);
+        ok = ok && tag_of(v) == tag;
+        l[k] = __uint_as_float(static_cast<uint32_t>(v));
+      }
+    }
+    if (__all_sync(kFullMask, ok)) break;
+    __nanosleep(TM_FLAG_SPIN_NS);
+  }
+  router_topk_warp(l[0], l[1], a.n_experts, a.top_k, a.normalize, list, a.ids, a.weights);
+  if (lane == 0) {  // lane 0 wrote ids and weights: publish them, the ids word last
+    uint32_t packed = 0;
+    for (int s = 0; s < a.top_k; ++s) {
+      tagged_store(sy.weights + s, tag, __float_as_uint(a.weights[s]));
+      packed |= (static_cast<uint32_t>(a.ids[s]) & 0xffu) << (8 * s);
+    }
+    tagged_store(sy.ids, tag, packed);
+  }
+}
+
+// Consumer warps. FH: the gate/up rows' layout, FS / FR: the shared / routed down rows'; V: float4 activation loads.
+template <Fmt FH, Fmt FS, Fmt FR, bool V>
+__device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, uint64_t* full,
+                                             uint64_t* empty, float* h_s, float* s_sh, float* s_rt,
+                                             float* norm_scratch, volatile uint32_t* s_tag, float* s_gate,
+                                             float (*s_wt)[kFfnMaxSlots]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / kFfnGroupWarps, wg = warp % kFfnGroupWarps;
+  const int b = blockIdx.x, grid = gridDim.x;
+  const FfnSync sy = ffn_sync(a.scratch);
+  pdl_wait();
+  pdl_trigger();
+  unsigned long long ticket = 0;
+  if (threadIdx.x == 0) ticket = atomicAdd(sy.ticket, 1ull);  // its round trip overlaps the norm
+  if (g == 0)
+    block_rmsnorm(a.x, a.norm_w, a.hidden, a.eps, h_s, b == 0 ? a.h : nullptr, norm_scratch, NormWarpsBarrier<1>{});
+  if (threadIdx.x == 0) {
+    const uint32_t epoch = static_cast<uint32_t>(ticket >> 32);
+    // Every other block of this call has its ticket: the next call's epoch, from count 0.
+    if (static_cast<uint32_t>(ticket) == static_cast<uint32_t>(grid) - 1)
+      *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
+    *s_tag = epoch + 1;
+  }
+  named_barrier<kFfnConsumers + 32>(kBarH);
+  const uint32_t tag = *s_tag;
+
+  const int q_sd = w.n_sg, q_rg = q_sd + w.n_sd, q_rd = q_rg + w.n_rg, q_end = q_rd + w.n_rd;
+  // The group's chunks of [begin, end): q with q % 2 == g.
+  auto first_of = [&](int begin) { return begin + ((begin ^ g) & 1); };
+  auto has_any = [&](int begin, int end) { return first_of(begin) < end; };
+  auto group_barrier = [&]() { named_barrier<kFfnGroupWarps * 32>(1 + g); };
+  auto release_group = [&](unsigned long long* flags) {  // after the group's stores of a phase
+    group_barrier();
+    if (wg == 0 && lane == 0) flag_release(flags + 2 * b + g, tag, 0);
+  };
+  auto run = [&](int begin, int end, auto&& job) {
+    for (int q = first_of(begin); q < end; q += 2) {
+      const int stage = q % kFfnStages;
+      const Chunk c = chunk_at(a, w, b, grid, q);
+      mbar_wait(&full[stage], (q / kFfnStages) & 1);
+      job(c, ring + static_cast<size_t>(stage) * a.stage_bytes);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+    }
+  };
+  const int nb_h = a.hidden / 32, nb_fs = a.ffn_sh / 32, nb_f = a.ffn / 32;
+  // Gate-up: a row pair (gate row, up row) a warp; act = silu(g) * u (moe.cu's gate_up_block).
+  auto gate_up = [&](const Chunk& c, const uint8_t* st, float* act) {
+    if (wg >= c.n) return;
+    const uint8_t* wr[2] = {st + wg * a.rb_h, st + (kTileRows + wg) * a.rb_h};
+    const float* xs[1] = {h_s};
+    float gu[2][1];
+    warp_dot<FH, 2, 1, true, true, true>(wr, xs, nb_h, gu);
+    if (lane == 0) act[c.first + wg] = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
+  };
+
+  run(0, q_sd, [&](const Chunk& c, const uint8_t* st) { gate_up(c, st, a.act_sh); });
+  release_group(sy.sh_done);
+
+  if (has_any(q_sd, q_rg)) {  // every block's act_sh, and the gate
+    if (wg == 0) {
+      wait_all_released(sy.sh_done, 2 * grid, tag, lane);
+      if (lane == 0) s_gate[g] = a.gate_inp != nullptr ? __uint_as_float(wait_tagged(sy.gate, tag)) : 1.0f;
+    }
+    group_barrier();
+    const float w_sh = s_gate[g];
+    // moe.cu's shared term: w_eff * dot(W_down_sh[r], act_sh), w_eff the gate (1 without one)
+    run(q_sd, q_rg, [&](const Chunk& c, const uint8_t* st) {
+      if (wg >= c.n) return;
+      const uint8_t* wr[1] = {st + wg * a.rb_fs};
+      const float* xs[1] = {a.act_sh};
+      float d[1][1];
+      warp_dot<FS, 1, 1, false, V, true>(wr, xs, nb_fs, d);
+      if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(w_sh, d[0][0]);
+    });
+  }
+
+  // (the producer copies an RG chunk only once the ids are out: its stage's barrier orders them for the consumer)
+  run(q_rg, q_rd, [&](const Chunk& c, const uint8_t* st) { gate_up(c, st, a.act + c.slot * a.ffn); });
+  release_group(sy.rt_done);
+
+  if (has_any(q_rd, q_end)) {  // every block's act, and the slot weights
+    if (wg == 0) {
+      wait_all_released(sy.rt_done, 2 * grid, tag, lane);
+      if (lane < a.top_k) s_wt[g][lane] = __uint_as_float(wait_tagged(sy.weights + lane, tag));
+    }
+    group_barrier();
+    // moe.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
+    run(q_rd, q_end, [&](const Chunk& c, const uint8_t* st) {
+      if (2 * wg >= c.n) return;
+      const uint8_t* wr[2] = {st + 2 * wg * a.rb_f, st + (2 * wg + 1) * a.rb_f};
+      const float* xs[1] = {a.act + c.slot * a.ffn};
+      float d[2][1];
+      warp_dot<FR, 2, 1, true, V, true>(wr, xs, nb_f, d);
+      if (lane == 0) {
+        const int i = c.first - w.row0 + 2 * wg;
+        const float we = s_wt[g][c.slot];
+        s_rt[i * a.top_k + c.slot] = __fmul_rn(we, d[0][0]);
+        s_rt[(i + 1) * a.top_k + c.slot] = __fmul_rn(we, d[1][0]);
+      }
+    });
+  }
+
+  named_barrier<kFfnConsumers>(kBarConsumers);  // both groups' terms are in shared memory
+  // x = ((x + shared) + w_0 y_0) + ... (experts_down_kernel's order)
+  for (int i = threadIdx.x; i < w.rows; i += kFfnConsumers) {
+    float* xo = a.x + w.row0 + i;
+    float acc = __fadd_rn(__ldcg(xo), s_sh[i]);  // in place: read around L1 (common.cuh)
+    for (int s = 0; s < a.top_k; ++s) acc = __fadd_rn(acc, s_rt[i * a.top_k + s]);
+    *xo = acc;
+  }
+}
+
+template <Fmt FH, Fmt FS, Fmt FR, bool V>
+__global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(const FfnArgs a) {
+  static_assert(kFfnGroupWarps * 32 == kNormThreads, "group 0 computes norm.cuh's tree");
+  extern __shared__ __align__(128) uint8_t ffn_smem[];  // the ring, h, the shared and routed terms
+  __shared__ uint64_t full[kFfnStages], empty[kFfnStages];
+  __shared__ uint32_t s_tag;
+  __shared__ float s_gate[2], s_wt[2][kFfnMaxSlots], s_norm[kNormWarps + 4];
+  __shared__ Pick s_list[kFfnMaxSlots];
+  uint8_t* ring = ffn_smem;
+  float* h_s = reinterpret_cast<float*>(ffn_smem + static_cast<size_t>(kFfnStages) * a.stage_bytes);
+  float* s_sh = h_s + router_h_floats(a.hidden);
+  float* s_rt = s_sh + a.rows_max;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    s_tag = 0;
+    for (int s = 0; s < kFfnStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kFfnGroupWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const BlockWork w = block_work(a, blockIdx.x, gridDim.x);
+  if (warp == kFfnProducerWarp) {
+    if (lane == 0) ffn_producer(a, w, ring, full, empty, &s_tag);
+    return;
+  }
+  if (warp == kFfnRouterWarp) {
+    // its rows into L2 while the previous kernel runs (weights: allowed before pdl_wait)
+    const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x)
+      prefetch_row_l2(r == a.n_experts ? a.gate_inp : a.w_router + static_cast<int64_t>(r) * a.hidden,
+                      a.hidden * 4, lane);
+    pdl_wait();
+    named_barrier<kFfnConsumers + 32>(kBarH);
+    ffn_router(a, h_s, s_tag, s_list);
+    return;
+  }
+  ffn_consumer<FH, FS, FR, V>(a, w, ring, full, empty, h_s, s_sh, s_rt, s_norm, &s_tag, s_gate, s_wt);
+}
+
+// The persistent launch's plan for these shapes on the device of `lim`; false where it does not apply: another
+// format, a prefill, more slots or experts than it packs or ranks, rows whose chunks are not whole 16-byte copies
+// (gate/up and shared-down rows of a multiple of 256 values; routed down rows of a multiple of 128, copied in
+// pairs), no bulk copies (compute capability < 9), too little shared memory, or TORNADO_MOE_FFN_ONE_LAUNCH=0.
+struct FfnPlan {
+  int grid;
+  uint32_t rb_h, rb_fs, rb_f, stage;
+  int rows_max;
+  int64_t smem;
+};
+bool ffn_plan(const Limits& lim, int qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k, int64_t hidden,
+              int64_t ffn_sh, int64_t ffn, FfnPlan* p) {
+  if (!lim.ffn_one_launch || lim.cc_major < 9 || qtype != TM_Q8_0_TILED || n_tokens != 1 || top_k < 1 ||
+      top_k > kFfnMaxSlots || n_experts < top_k || n_experts > kFfnMaxExperts || hidden % 256 != 0 ||
+      ffn_sh % 256 != 0 || ffn % 128 != 0 || hidden <= 0 || ffn_sh <= 0 || ffn <= 0 || hidden > (1 << 20) ||
+      ffn_sh > (1 << 20) || ffn > (1 << 20))
+    return false;
+  p->grid = lim.sm_count < kFfnMaxBlocks ? lim.sm_count : kFfnMaxBlocks;
+  p->rb_h = static_cast<uint32_t>(tm_qtype_row_bytes(TM_Q8_0, hidden));
+  p->rb_fs = static_cast<uint32_t>(tm_qtype_row_bytes(TM_Q8_0, ffn_sh));
+  p->rb_f = static_cast<uint32_t>(tm_qtype_row_bytes(TM_Q8_0, ffn));
+  const int64_t stage = std::max({int64_t{2} * kTileRows * p->rb_h, int64_t{kSdRows} * p->rb_fs,
+                                  int64_t{kRdRows} * p->rb_f});
+  p->stage = static_cast<uint32_t>(ceil_div(stage, 128) * 128);
+  p->rows_max = 2 * static_cast<int>(ceil_div(hidden / 2, p->grid));
+  p->smem = int64_t{kFfnStages} * p->stage + 4 * (router_h_floats(hidden) + int64_t{p->rows_max} * (1 + top_k));
+  return p->grid >= 1 && p->smem + 1024 <= lim.smem_block;  // 1 KB: the static shared memory
+}
+
+}  // namespace
+}  // namespace tm_cuda
+
+using namespace tm_cuda;
+
+// The persistent launch where it applies (shapes, formats, alignment, the device), else the two launches it
+// stands for; both give the same bits.
+extern "C" int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float eps, float* h,
+                                          const float* w_router, int32_t* ids, float* weights, int qtype,
+                                          const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh,
+                                          float* act_sh, int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
+                                          const void* w_gate, const void* w_up, const void* w_down, float* act,
+                                          int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
+                                          int normalize, int64_t ffn, int32_t* scratch, void* stream) {
+  const char* fn = "tm_router_experts_ffn";
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  FfnPlan plan;
+  bool fits = ffn_plan(lim, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn, &plan);
+  for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(h), w_gate_sh, w_up_sh, w_down_sh,
+                        w_gate, w_up, w_down, static_cast<const void*>(act_sh), static_cast<const void*>(act)})
+    fits = fits && aligned(p, 16);
+  if (!fits) {
+    TM_TRY(tm_cuda_router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                                          act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
+                                          n_experts, hidden, top_k, normalize, ffn, scratch, stream));
+    return tm_cuda_experts_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act, ids,
+                                           weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
+  }
+  FfnArgs a{};
+  a.x = x;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  a.h = h;
+  a.w_router = w_router;
+  a.router_mode = f32_row_mode(hidden, aligned(w_router, 16));
+  a.gate_inp = gate_inp_sh;
+  a.gate_mode = f32_row_mode(hidden, aligned(gate_inp_sh, 16));
+  a.gate_out = gate_sh;
+  a.ids = ids;
+  a.weights = weights;
+  a.normalize = normalize;
+  a.w_gate_sh = static_cast<const uint8_t*>(w_gate_sh);
+  a.w_up_sh = static_cast<const uint8_t*>(w_up_sh);
+  a.w_down_sh = static_cast<const uint8_t*>(w_down_sh);
+  a.w_gate = static_cast<const uint8_t*>(w_gate);
+  a.w_up = static_cast<const uint8_t*>(w_up);
+  a.w_down = static_cast<const uint8_t*>(w_down);
+  a.act_sh = act_sh;
+  a.act = act;
+  a.scratch = scratch;
+  a.hidden = static_cast<int>(hidden);
+  a.ffn_sh = static_cast<int>(ffn_sh);
+  a.ffn = static_cast<int>(ffn);
+  a.n_experts = static_cast<int>(n_experts);
+  a.top_k = static_cast<int>(top_k);
+  a.rb_h = plan.rb_h;
+  a.rb_fs = plan.rb_fs;
+  a.rb_f = plan.rb_f;
+  a.stage_bytes = plan.stage;
+  a.n_sg = static_cast<int>(ceil_div(ffn_sh, kTileRows));
+  a.rg_tiles = static_cast<int>(ceil_div(ffn, kTileRows));
+  a.rows_max = plan.rows_max;
+  const bool v = aligned(act_sh, 16) && aligned(act, 16) && ffn % 4 == 0;  // the downs' activation loads
+  const cudaStream_t s = as_stream(stream);
+  auto run = [&](auto kernel) -> int {
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem, fn));
+    return launch(lim, fn, kernel, dim3(static_cast<unsigned>(plan.grid)), dim3(kFfnThreads),
+                  static_cast<size_t>(plan.smem), s, a);
+  };
+  // gate/up and shared down rows are whole 16-byte tiled rows (the copies' alignment asks for them); the routed down
+  // rows may be Q8_0T (rows of an odd multiple of 128 values)
+  constexpr Fmt T16 = Fmt::Q8_0T16, T8 = Fmt::Q8_0T;
+  if (fmt_for(TM_Q8_0_TILED, ffn) == T16)
+    return v ? run(router_experts_ffn_kernel<T16, T16, T16, true>) : run(router_experts_ffn_kernel<T16, T16, T16, false>);
+  return v ? run(router_experts_ffn_kernel<T16, T16, T8, true>) : run(router_experts_ffn_kernel<T16, T16, T8, false>);
+}
+
+extern "C" int tm_cuda_router_experts_ffn_launches(int qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
+                                                   int64_t hidden, int64_t ffn_sh, int64_t ffn) {
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  FfnPlan plan;
+  return ffn_plan(lim, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn, &plan) ? 1 : 2;
+}
