@@ -103,48 +103,88 @@ struct FfnArgs {
   int n_sg, rg_tiles, rows_max;  // SG tiles, RG tiles per slot, output rows a block at most
 };
 
-// The block's share of the work.
+// The order of a block's phases (ring order = consumption order). Default: SG, RG, SD, RD, so that the shared down
+// (whose inputs are every block's SG chunks) comes after the routed gate-up and nobody waits for it, and the
+// routed down waits for every RG chunk behind the block's SD work. TM_FFN_SD_FIRST=1: SG, SD, RG, RD (a
+// measurement knob: the SD chunks wait for every block's SG chunks and hold ring stages meanwhile).
+#ifndef TM_FFN_SD_FIRST
+#define TM_FFN_SD_FIRST 0
+#endif
+__host__ __device__ constexpr int phase_kind(int p) {
+  return TM_FFN_SD_FIRST ? p : (p == 1 ? kRG : p == 2 ? kSD : p);
+}
+
+// The block's share of the work: chunks of each kind, and where each phase starts in the block's sequence.
 struct BlockWork {
-  int n_sg, n_sd, n_rg, n_rd;  // chunks of each kind, in sequence order
-  int row0, rows;              // output rows
-  int rg_first;                // its first RG tile
-  int rd_pieces;               // RD chunks per slot
+  int n[4];       // chunks of kind SG, SD, RG, RD
+  int begin[5];   // sequence index of phase p's first chunk; begin[4] = total
+  int row0, rows; // output rows
+  int rg_first;   // its first RG tile
+  int rd_pieces;  // RD chunks per slot
 };
 __device__ __forceinline__ BlockWork block_work(const FfnArgs& a, int b, int grid) {
   auto share = [&](int n, int first) { return first < n ? (n - 1 - first) / grid + 1 : 0; };
   BlockWork w;
-  w.n_sg = share(a.n_sg, b);
+  w.n[kSG] = share(a.n_sg, b);
   const int pairs = a.hidden / 2, base = pairs / grid, extra = pairs % grid;
   const int more = b >= grid - extra ? 1 : 0;  // the last `extra` blocks take a pair more
   w.row0 = 2 * (b * base + (more ? b - (grid - extra) : 0));
   w.rows = 2 * (base + more);
-  w.n_sd = (w.rows + kSdRows - 1) / kSdRows;
+  w.n[kSD] = (w.rows + kSdRows - 1) / kSdRows;
   w.rg_first = ((b - a.n_sg % grid) % grid + grid) % grid;
-  w.n_rg = share(a.top_k * a.rg_tiles, w.rg_first);
+  w.n[kRG] = share(a.top_k * a.rg_tiles, w.rg_first);
   w.rd_pieces = (w.rows + kRdRows - 1) / kRdRows;
-  w.n_rd = a.top_k * w.rd_pieces;
+  w.n[kRD] = a.top_k * w.rd_pieces;
+  w.begin[0] = 0;
+  for (int p = 0; p < 4; ++p) w.begin[p + 1] = w.begin[p] + w.n[phase_kind(p)];
   return w;
 }
 
 struct Chunk {
   int kind, slot, first, n;  // first row (of the tile, or output row) and rows
 };
-__device__ __forceinline__ Chunk chunk_at(const FfnArgs& a, const BlockWork& w, int b, int grid, int q) {
-  if (q < w.n_sg) {
-    const int first = (b + q * grid) * kTileRows;
+// Chunk i of kind `kind` of block b.
+__device__ __forceinline__ Chunk chunk_of(const FfnArgs& a, const BlockWork& w, int b, int grid, int kind, int i) {
+  if (kind == kSG) {
+    const int first = (b + i * grid) * kTileRows;
     return Chunk{kSG, 0, first, min(kTileRows, a.ffn_sh - first)};
   }
-  q -= w.n_sg;
-  if (q < w.n_sd) return Chunk{kSD, 0, w.row0 + q * kSdRows, min(kSdRows, w.rows - q * kSdRows)};
-  q -= w.n_sd;
-  if (q < w.n_rg) {
-    const int c = w.rg_first + q * grid, slot = c / a.rg_tiles, first = (c - slot * a.rg_tiles) * kTileRows;
+  if (kind == kSD) return Chunk{kSD, 0, w.row0 + i * kSdRows, min(kSdRows, w.rows - i * kSdRows)};
+  if (kind == kRG) {
+    const int c = w.rg_first + i * grid, slot = c / a.rg_tiles, first = (c - slot * a.rg_tiles) * kTileRows;
     return Chunk{kRG, slot, first, min(kTileRows, a.ffn - first)};
   }
-  q -= w.n_rg;
-  const int slot = q / w.rd_pieces, piece = q - slot * w.rd_pieces;
+  const int slot = i / w.rd_pieces, piece = i - slot * w.rd_pieces;
   return Chunk{kRD, slot, w.row0 + piece * kRdRows, min(kRdRows, w.rows - piece * kRdRows)};
 }
+// ---- a measurement build only (-DTM_FFN_TIMELINE=1; scripts/ffn_timeline.py) ----
+// Per block of the latest launch, the global timer (ns) at the events below; tm_cuda_ffn_timeline copies them out
+// and clears them. Without the flag the stamps are empty.
+#ifndef TM_FFN_TIMELINE
+#define TM_FFN_TIMELINE 0
+#endif
+enum FfnEvent : int {
+  kEvStart,        // the block's first instruction
+  kEvWaited,       // consumers past pdl_wait
+  kEvH,            // h and the tag in shared memory
+  kEvPhaseEnd0,    // + 2 p + g: group g's last chunk of phase p done (p = 0 .. 3: 8 events)
+  kEvWaitEnd0 = kEvPhaseEnd0 + 8,  // + 2 p + g: group g's wait before phase p over (p = 1 .. 3 used)
+  kEvDone = kEvWaitEnd0 + 8,       // x written
+  kEvIds,          // the producer has the ids
+  kEvIssuedAll,    // the producer's last copy issued
+  kEvPublished,    // block 0's router warp stored the ids
+  kFfnEvents
+};
+#if TM_FFN_TIMELINE
+__device__ unsigned long long ffn_timeline[kFfnMaxBlocks][kFfnEvents];
+__device__ __forceinline__ void ffn_stamp(int ev) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  ffn_timeline[blockIdx.x][ev] = t;
+}
+#else
+__device__ __forceinline__ void ffn_stamp(int) {}
+#endif
 
 // The epoch tag of this call, once consumer thread 0 has taken the ticket (0 before).
 __device__ __forceinline__ uint32_t wait_tag(const volatile uint32_t* s_tag) {
@@ -160,53 +200,59 @@ __device__ __forceinline__ uint32_t wait_tagged(const unsigned long long* w, uin
     __nanosleep(TM_FLAG_SPIN_NS);
   }
 }
-// One warp: until all n words carry `tag`, with acquire loads (what their writers released is then visible to the
-// block's threads past the next barrier).
+// One warp: until all n words carry `tag`. The polls are relaxed and all of a round in flight at once (an acquire
+// load each would invalidate L1 and wait, one after the other); one fence after them makes what the words'
+// writers released before them visible to the block's threads past the caller's next barrier.
 __device__ __forceinline__ void wait_all_released(const unsigned long long* w, int n, uint32_t tag, int lane) {
   for (;;) {
     bool ok = true;
-    for (int i = lane; i < n; i += 32) ok = ok && tag_of(ld_acquire_u64(w + i)) == tag;
-    if (__all_sync(kFullMask, ok)) return;
+    for (int i = lane; i < n; i += 32) ok &= tag_of(ld_relaxed_u64(w + i)) == tag;
+    if (__all_sync(kFullMask, ok)) break;
     __nanosleep(TM_FLAG_SPIN_NS);
   }
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
 // Producer (one thread): every chunk of the block into the ring, in order.
 __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, uint64_t* full,
                                              uint64_t* empty, const volatile uint32_t* s_tag) {
   const int b = blockIdx.x, grid = gridDim.x;
-  const int total = w.n_sg + w.n_sd + w.n_rg + w.n_rd;
   const FfnSync sy = ffn_sync(a.scratch);
   uint32_t ids = 0;
-  bool have_ids = false;
-  for (int q = 0; q < total; ++q) {
-    const Chunk c = chunk_at(a, w, b, grid, q);
-    const int stage = q % kFfnStages;
-    if (q >= kFfnStages) mbar_wait(&empty[stage], ((q / kFfnStages) - 1) & 1);
-    if (c.kind >= kRG && !have_ids) {
+  int q = 0;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int kind = phase_kind(p);
+    if (kind == kRG && w.n[kRG] + w.n[kRD] > 0) {  // routed rows: once the router's ids are out
       ids = wait_tagged(sy.ids, wait_tag(s_tag));
-      have_ids = true;
+      ffn_stamp(kEvIds);
     }
-    uint8_t* dst = ring + static_cast<size_t>(stage) * a.stage_bytes;
-    const int64_t e = static_cast<int64_t>((ids >> (8 * c.slot)) & 0xffu);
-    if (c.kind == kSG || c.kind == kRG) {  // gate rows at 0, up rows at kTileRows rows
-      const int64_t row = (c.kind == kRG ? e * a.ffn : 0) + c.first;
-      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_h;
-      const uint8_t* g = (c.kind == kRG ? a.w_gate : a.w_gate_sh) + row * a.rb_h;
-      const uint8_t* u = (c.kind == kRG ? a.w_up : a.w_up_sh) + row * a.rb_h;
-      mbar_arrive_expect_tx(&full[stage], 2 * bytes);
-      bulk_copy_to_smem(dst, g, bytes, &full[stage]);
-      bulk_copy_to_smem(dst + kTileRows * a.rb_h, u, bytes, &full[stage]);
-    } else if (c.kind == kSD) {
-      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_fs;
-      mbar_arrive_expect_tx(&full[stage], bytes);
-      bulk_copy_to_smem(dst, a.w_down_sh + static_cast<int64_t>(c.first) * a.rb_fs, bytes, &full[stage]);
-    } else {
-      const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_f;
-      mbar_arrive_expect_tx(&full[stage], bytes);
-      bulk_copy_to_smem(dst, a.w_down + (e * a.hidden + c.first) * a.rb_f, bytes, &full[stage]);
+    for (int i = 0; i < w.n[kind]; ++i, ++q) {
+      const Chunk c = chunk_of(a, w, b, grid, kind, i);
+      const int stage = q % kFfnStages;
+      if (q >= kFfnStages) mbar_wait(&empty[stage], ((q / kFfnStages) - 1) & 1);
+      uint8_t* dst = ring + static_cast<size_t>(stage) * a.stage_bytes;
+      const int64_t e = static_cast<int64_t>((ids >> (8 * c.slot)) & 0xffu);
+      if (kind == kSG || kind == kRG) {  // gate rows at 0, up rows at kTileRows rows
+        const int64_t row = (kind == kRG ? e * a.ffn : 0) + c.first;
+        const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_h;
+        const uint8_t* g = (kind == kRG ? a.w_gate : a.w_gate_sh) + row * a.rb_h;
+        const uint8_t* u = (kind == kRG ? a.w_up : a.w_up_sh) + row * a.rb_h;
+        mbar_arrive_expect_tx(&full[stage], 2 * bytes);
+        bulk_copy_to_smem(dst, g, bytes, &full[stage]);
+        bulk_copy_to_smem(dst + kTileRows * a.rb_h, u, bytes, &full[stage]);
+      } else if (kind == kSD) {
+        const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_fs;
+        mbar_arrive_expect_tx(&full[stage], bytes);
+        bulk_copy_to_smem(dst, a.w_down_sh + static_cast<int64_t>(c.first) * a.rb_fs, bytes, &full[stage]);
+      } else {
+        const uint32_t bytes = static_cast<uint32_t>(c.n) * a.rb_f;
+        mbar_arrive_expect_tx(&full[stage], bytes);
+        bulk_copy_to_smem(dst, a.w_down + (e * a.hidden + c.first) * a.rb_f, bytes, &full[stage]);
+      }
     }
   }
+  ffn_stamp(kEvIssuedAll);
 }
 
 // Router warp: the router rows b, b + G, ... (row n_experts: the shared-expert gate), then in block 0 the top-k.
@@ -253,6 +299,7 @@ __device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, u
       packed |= (static_cast<uint32_t>(a.ids[s]) & 0xffu) << (8 * s);
     }
     tagged_store(sy.ids, tag, packed);
+    ffn_stamp(kEvPublished);
   }
 }
 
@@ -264,9 +311,11 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
                                              float (*s_wt)[kFfnMaxSlots]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / kFfnGroupWarps, wg = warp % kFfnGroupWarps;
   const int b = blockIdx.x, grid = gridDim.x;
+  const bool stamper = wg == 0 && lane == 0;
   const FfnSync sy = ffn_sync(a.scratch);
   pdl_wait();
   pdl_trigger();
+  if (threadIdx.x == 0) ffn_stamp(kEvWaited);
   unsigned long long ticket = 0;
   if (threadIdx.x == 0) ticket = atomicAdd(sy.ticket, 1ull);  // its round trip overlaps the norm
   if (g == 0)
@@ -280,26 +329,9 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
   }
   named_barrier<kFfnConsumers + 32>(kBarH);
   const uint32_t tag = *s_tag;
+  if (threadIdx.x == 0) ffn_stamp(kEvH);
 
-  const int q_sd = w.n_sg, q_rg = q_sd + w.n_sd, q_rd = q_rg + w.n_rg, q_end = q_rd + w.n_rd;
-  // The group's chunks of [begin, end): q with q % 2 == g.
-  auto first_of = [&](int begin) { return begin + ((begin ^ g) & 1); };
-  auto has_any = [&](int begin, int end) { return first_of(begin) < end; };
   auto group_barrier = [&]() { named_barrier<kFfnGroupWarps * 32>(1 + g); };
-  auto release_group = [&](unsigned long long* flags) {  // after the group's stores of a phase
-    group_barrier();
-    if (wg == 0 && lane == 0) flag_release(flags + 2 * b + g, tag, 0);
-  };
-  auto run = [&](int begin, int end, auto&& job) {
-    for (int q = first_of(begin); q < end; q += 2) {
-      const int stage = q % kFfnStages;
-      const Chunk c = chunk_at(a, w, b, grid, q);
-      mbar_wait(&full[stage], (q / kFfnStages) & 1);
-      job(c, ring + static_cast<size_t>(stage) * a.stage_bytes);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
-    }
-  };
   const int nb_h = a.hidden / 32, nb_fs = a.ffn_sh / 32, nb_f = a.ffn / 32;
   // Gate-up: a row pair (gate row, up row) a warp; act = silu(g) * u (moe.cu's gate_up_block).
   auto gate_up = [&](const Chunk& c, const uint8_t* st, float* act) {
@@ -310,52 +342,62 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     warp_dot<FH, 2, 1, true, true, true>(wr, xs, nb_h, gu);
     if (lane == 0) act[c.first + wg] = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   };
-
-  run(0, q_sd, [&](const Chunk& c, const uint8_t* st) { gate_up(c, st, a.act_sh); });
-  release_group(sy.sh_done);
-
-  if (has_any(q_sd, q_rg)) {  // every block's act_sh, and the gate
-    if (wg == 0) {
-      wait_all_released(sy.sh_done, 2 * grid, tag, lane);
-      if (lane == 0) s_gate[g] = a.gate_inp != nullptr ? __uint_as_float(wait_tagged(sy.gate, tag)) : 1.0f;
+  // moe.cu's shared term: w_eff * dot(W_down_sh[r], act_sh), w_eff the gate (1 without one)
+  auto shared_down = [&](const Chunk& c, const uint8_t* st) {
+    if (wg >= c.n) return;
+    const uint8_t* wr[1] = {st + wg * a.rb_fs};
+    const float* xs[1] = {a.act_sh};
+    float d[1][1];
+    warp_dot<FS, 1, 1, false, V, true>(wr, xs, nb_fs, d);
+    if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(s_gate[g], d[0][0]);
+  };
+  // moe.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
+  auto routed_down = [&](const Chunk& c, const uint8_t* st) {
+    if (2 * wg >= c.n) return;
+    const uint8_t* wr[2] = {st + 2 * wg * a.rb_f, st + (2 * wg + 1) * a.rb_f};
+    const float* xs[1] = {a.act + c.slot * a.ffn};
+    float d[2][1];
+    warp_dot<FR, 2, 1, true, V, true>(wr, xs, nb_f, d);
+    if (lane == 0) {
+      const int i = c.first - w.row0 + 2 * wg;
+      const float we = s_wt[g][c.slot];
+      s_rt[i * a.top_k + c.slot] = __fmul_rn(we, d[0][0]);
+      s_rt[(i + 1) * a.top_k + c.slot] = __fmul_rn(we, d[1][0]);
     }
-    group_barrier();
-    const float w_sh = s_gate[g];
-    // moe.cu's shared term: w_eff * dot(W_down_sh[r], act_sh), w_eff the gate (1 without one)
-    run(q_sd, q_rg, [&](const Chunk& c, const uint8_t* st) {
-      if (wg >= c.n) return;
-      const uint8_t* wr[1] = {st + wg * a.rb_fs};
-      const float* xs[1] = {a.act_sh};
-      float d[1][1];
-      warp_dot<FS, 1, 1, false, V, true>(wr, xs, nb_fs, d);
-      if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(w_sh, d[0][0]);
-    });
-  }
+  };
 
-  // (the producer copies an RG chunk only once the ids are out: its stage's barrier orders them for the consumer)
-  run(q_rg, q_rd, [&](const Chunk& c, const uint8_t* st) { gate_up(c, st, a.act + c.slot * a.ffn); });
-  release_group(sy.rt_done);
-
-  if (has_any(q_rd, q_end)) {  // every block's act, and the slot weights
-    if (wg == 0) {
-      wait_all_released(sy.rt_done, 2 * grid, tag, lane);
-      if (lane < a.top_k) s_wt[g][lane] = __uint_as_float(wait_tagged(sy.weights + lane, tag));
-    }
-    group_barrier();
-    // moe.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
-    run(q_rd, q_end, [&](const Chunk& c, const uint8_t* st) {
-      if (2 * wg >= c.n) return;
-      const uint8_t* wr[2] = {st + 2 * wg * a.rb_f, st + (2 * wg + 1) * a.rb_f};
-      const float* xs[1] = {a.act + c.slot * a.ffn};
-      float d[2][1];
-      warp_dot<FR, 2, 1, true, V, true>(wr, xs, nb_f, d);
-      if (lane == 0) {
-        const int i = c.first - w.row0 + 2 * wg;
-        const float we = s_wt[g][c.slot];
-        s_rt[i * a.top_k + c.slot] = __fmul_rn(we, d[0][0]);
-        s_rt[(i + 1) * a.top_k + c.slot] = __fmul_rn(we, d[1][0]);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int kind = phase_kind(p), begin = w.begin[p], end = w.begin[p + 1];
+    const int first = begin + ((begin ^ g) & 1);  // the group's chunks: q % 2 == g
+    if (first < end && (kind == kSD || kind == kRD)) {  // inputs from every block: wait for their flags
+      if (wg == 0) {
+        wait_all_released(kind == kSD ? sy.sh_done : sy.rt_done, 2 * grid, tag, lane);
+        if (kind == kSD && lane == 0)
+          s_gate[g] = a.gate_inp != nullptr ? __uint_as_float(wait_tagged(sy.gate, tag)) : 1.0f;
+        if (kind == kRD && lane < a.top_k) s_wt[g][lane] = __uint_as_float(wait_tagged(sy.weights + lane, tag));
       }
-    });
+      group_barrier();
+      if (stamper) ffn_stamp(kEvWaitEnd0 + 2 * p + g);
+    }
+    // (an RG chunk is copied only once the ids are out: its stage's barrier orders them for the consumer)
+    for (int q = first; q < end; q += 2) {
+      const int stage = q % kFfnStages;
+      const Chunk c = chunk_of(a, w, b, grid, kind, q - begin);
+      mbar_wait(&full[stage], (q / kFfnStages) & 1);
+      const uint8_t* st = ring + static_cast<size_t>(stage) * a.stage_bytes;
+      if (kind == kSG) gate_up(c, st, a.act_sh);
+      else if (kind == kRG) gate_up(c, st, a.act + c.slot * a.ffn);
+      else if (kind == kSD) shared_down(c, st);
+      else routed_down(c, st);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+    }
+    if (kind == kSG || kind == kRG) {  // the group's activations are stored: release them to every block
+      group_barrier();
+      if (wg == 0 && lane == 0) flag_release((kind == kSG ? sy.sh_done : sy.rt_done) + 2 * b + g, tag, 0);
+    }
+    if (stamper) ffn_stamp(kEvPhaseEnd0 + 2 * p + g);
   }
 
   named_barrier<kFfnConsumers>(kBarConsumers);  // both groups' terms are in shared memory
@@ -366,6 +408,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     for (int s = 0; s < a.top_k; ++s) acc = __fadd_rn(acc, s_rt[i * a.top_k + s]);
     *xo = acc;
   }
+  if (threadIdx.x == 0) ffn_stamp(kEvDone);
 }
 
 template <Fmt FH, Fmt FS, Fmt FR, bool V>
@@ -382,6 +425,7 @@ __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(cons
   float* s_rt = s_sh + a.rows_max;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
+    ffn_stamp(kEvStart);
     s_tag = 0;
     for (int s = 0; s < kFfnStages; ++s) {
       mbar_init(&full[s], 1);
@@ -523,3 +567,18 @@ extern "C" int tm_cuda_router_experts_ffn_launches(int qtype, int64_t n_tokens, 
   FfnPlan plan;
   return ffn_plan(lim, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn, &plan) ? 1 : 2;
 }
+
+#if TM_FFN_TIMELINE
+// The measurement build's stamps (ffn_timeline above): up to `blocks` rows of kFfnEvents u64 into host memory, then
+// zeroed. Returns the events per row, or -1.
+extern "C" TM_API int64_t tm_cuda_ffn_timeline(void* host, int64_t blocks) {
+  const int64_t n = blocks < kFfnMaxBlocks ? blocks : kFfnMaxBlocks;
+  void* dev = nullptr;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(host, ffn_timeline, static_cast<size_t>(n) * sizeof(ffn_timeline[0])) != cudaSuccess ||
+      cudaGetSymbolAddress(&dev, ffn_timeline) != cudaSuccess ||
+      cudaMemset(dev, 0, sizeof(ffn_timeline)) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+    return -1;
+  return kFfnEvents;
+}
+#endif

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Where router_experts_ffn's time goes inside the decode chain: the persistent FFN launch's per-block events.
+
+Runs decode steps (fused, CUDA graph) of a model on a library built with ``-DTM_FFN_TIMELINE=1``
+(csrc/cuda/moe_ffn.cu: every block of the latest launch stamps the global timer at its start, when its
+consumers are past pdl_wait, when h is ready, when each consumer group ends each phase and ends its wait
+for the other blocks before a phase, when it has written x, when its producer has the ids and has issued
+its last copy, and block 0's router warp when it published the ids), reads the last layer's stamps after
+each step and prints, per event, min / median / max over the blocks in microseconds after the launch's first
+block started (median over steps). Phases in ring order: SG, RG, SD, RD (the build's TM_FFN_SD_FIRST=1: SG,
+SD, RG, RD).
+
+Through scripts/device_run.sh: TUNING="tl:-DTM_FFN_TIMELINE=1" FFN_TIMELINE=tl STAGES=build,tuning ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+from tornado_moe.engine import Engine, EngineOptions
+from tornado_moe.model.gguf_model import load_model
+from tornado_moe.native import native_dir
+from tornado_moe.tools.run_info import run_info
+
+MAX_BLOCKS = 1024  # TM_FFN_MAX_BLOCKS
+EVENTS = (["start", "waited", "h"] + [f"end p{p} g{g}" for p in range(4) for g in range(2)]
+          + [f"wait p{p} g{g}" for p in range(4) for g in range(2)]
+          + ["done", "ids", "issued all", "published"])
+
+
+def reader() -> ctypes._CFuncPtr:
+    lib = ctypes.CDLL(str(native_dir() / "libtornado_moe.so"))
+    try:
+        fn = lib.tm_cuda_ffn_timeline
+    except AttributeError:
+        sys.exit("this tornado-moe library was built without -DTM_FFN_TIMELINE=1: no timeline to read")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
+    """[blocks, events] ns of the latest launch (the rows it stamped), zeroed on the device after the copy."""
+    rows = np.zeros((MAX_BLOCKS, len(EVENTS)), dtype=np.uint64)
+    if fn(rows.ctypes.data, MAX_BLOCKS) != len(EVENTS):
+        sys.exit("tm_cuda_ffn_timeline failed or has other events than this script")
+    return rows[rows[:, 0] > 0]
+
+
+def summarize(rows: np.ndarray) -> dict[str, list[float]]:
+    """Per event stamped by some block: [min, median, max] us after the first block's start."""
+    t = rows.astype(np.int64)
+    t0 = int(t[:, 0].min())
+    out = {}
+    for k, ev in enumerate(EVENTS):
+        col = t[:, k][t[:, k] > 0]
+        if len(col):
+            rel = (col - t0) / 1e3
+            out[ev] = [float(rel.min()), float(np.median(rel)), float(rel.max())]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF model with routed and shared experts (the synth)")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length before the measured steps")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps, one timeline sample after each")
+    ap.add_argument("--json", help="write every sample's summary here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    fn = reader()
+    engine = Engine(load_model(args.model), EngineOptions(device="cuda", cuda_graphs=True))
+    try:
+        for tok in range(1, args.prompt_tokens + 1):
+            engine.feed(tok)
+        read_launch(fn)  # the prompt's stamps, cleared
+        samples = []
+        for _ in range(args.steps):
+            engine.decode_next()
+            samples.append(summarize(read_launch(fn)))
+    finally:
+        engine.close()
+    print(f"router_experts_ffn, the last layer's launch, {len(samples)} decode steps: us after its first "
+          "block started, min / median / max over blocks (median over steps)")
+    for ev in EVENTS:
+        have = [s[ev] for s in samples if ev in s]
+        if have:
+            v = [statistics.median(h[i] for h in have) for i in range(3)]
+            print(f"  {ev:12s} {v[0]:7.2f} {v[1]:7.2f} {v[2]:7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(run_info(sys.argv[1:], "cuda", model=args.model, samples=samples), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
