@@ -68,17 +68,26 @@ __device__ __forceinline__ void named_barrier(int id) {
 // that the two kernels may share a scratch: every word either of them reads carries the epoch of its call).
 struct FfnSync {
   unsigned long long* ticket;
-  unsigned long long* ids;      // tag | the ids, 8 bits a slot
   unsigned long long* gate;     // tag | the float bits of sigmoid(gate_inp_sh . h)
-  unsigned long long* weights;  // [kFfnMaxSlots] tag | a slot weight's float bits
   unsigned long long* logits;   // [kFfnMaxExperts]
   unsigned long long* sh_done;  // [2 G] a group's SG chunks are stored
   unsigned long long* rt_done;  // [2 G] a group's RG chunks are stored
 };
 __device__ __forceinline__ FfnSync ffn_sync(int32_t* scratch) {
   auto* w = reinterpret_cast<unsigned long long*>(scratch);
-  return FfnSync{w, w + 32, w + 33, w + 34, w + 40, w + 128, w + 128 + 2 * kFfnMaxBlocks};
+  return FfnSync{w, w + 33, w + 40, w + 128, w + 128 + 2 * kFfnMaxBlocks};
 }
+
+// What a block's roles hand each other in shared memory.
+struct FfnShared {
+  uint64_t full[kFfnStages], empty[kFfnStages];  // the ring: a stage's copies landed / its group is done with it
+  uint64_t sh_ready, rt_ready;  // every block's act_sh / act is stored (the router warp arrives, consumers wait)
+  uint32_t tag;                 // the call's epoch tag (0 until consumer thread 0 has it)
+  uint32_t ids_packed, ids_ready;
+  int32_t ids[kFfnMaxSlots];
+  float weights[kFfnMaxSlots], gate, norm[kNormWarps + 4];
+  Pick list[kFfnMaxSlots];
+};
 
 struct FfnArgs {
   float* x;  // normalised by every block, then each block's rows of it updated in place
@@ -172,25 +181,32 @@ enum FfnEvent : int {
   kEvDone = kEvWaitEnd0 + 8,       // x written
   kEvIds,          // the producer has the ids
   kEvIssuedAll,    // the producer's last copy issued
-  kEvPublished,    // block 0's router warp stored the ids
-  kFfnEvents
+  kEvPublished,    // the router warp has the block's top-k
+  kEvShReady,      // the router warp has seen every block's act_sh flags
+  kEvRtReady,      // ... and act flags
+  kEvChunk0,       // + 3 q + {0: copies issued, 1: warp 0 of its group past the full wait, 2: its job done}
+  kFfnChunksStamped = 24,
+  kFfnEvents = kEvChunk0 + 3 * kFfnChunksStamped
 };
 #if TM_FFN_TIMELINE
 __device__ unsigned long long ffn_timeline[kFfnMaxBlocks][kFfnEvents];
 __device__ __forceinline__ void ffn_stamp(int ev) {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  ffn_timeline[blockIdx.x][ev] = t;
+  if (ev < kFfnEvents) ffn_timeline[blockIdx.x][ev] = t;
 }
 #else
 __device__ __forceinline__ void ffn_stamp(int) {}
 #endif
+__device__ __forceinline__ void stamp_chunk(int q, int what) {
+  if (q < kFfnChunksStamped) ffn_stamp(kEvChunk0 + 3 * q + what);
+}
 
-// The epoch tag of this call, once consumer thread 0 has taken the ticket (0 before).
-__device__ __forceinline__ uint32_t wait_tag(const volatile uint32_t* s_tag) {
-  uint32_t tag;
-  while ((tag = *s_tag) == 0) __nanosleep(TM_FLAG_SPIN_NS);
-  return tag;
+// A word of shared memory another role of the block sets (volatile: re-read at every poll), once nonzero.
+__device__ __forceinline__ uint32_t wait_set(const uint32_t* word) {
+  uint32_t v;
+  while ((v = *reinterpret_cast<const volatile uint32_t*>(word)) == 0) __nanosleep(TM_FLAG_SPIN_NS);
+  return v;
 }
 // The payload of a tagged word once it carries `tag` (relaxed polls: the payload is all the reader needs).
 __device__ __forceinline__ uint32_t wait_tagged(const unsigned long long* w, uint32_t tag) {
@@ -203,34 +219,37 @@ __device__ __forceinline__ uint32_t wait_tagged(const unsigned long long* w, uin
 // One warp: until all n words carry `tag`. The polls are relaxed and all of a round in flight at once (an acquire
 // load each would invalidate L1 and wait, one after the other); one fence after them makes what the words'
 // writers released before them visible to the block's threads past the caller's next barrier.
+// (The router warp polls them while the consumers work: it sleeps longer between rounds.)
 __device__ __forceinline__ void wait_all_released(const unsigned long long* w, int n, uint32_t tag, int lane) {
   for (;;) {
     bool ok = true;
     for (int i = lane; i < n; i += 32) ok &= tag_of(ld_relaxed_u64(w + i)) == tag;
     if (__all_sync(kFullMask, ok)) break;
-    __nanosleep(TM_FLAG_SPIN_NS);
+    __nanosleep(128);
   }
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
 // Producer (one thread): every chunk of the block into the ring, in order.
-__device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, uint64_t* full,
-                                             uint64_t* empty, const volatile uint32_t* s_tag) {
+__device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, FfnShared& sm) {
   const int b = blockIdx.x, grid = gridDim.x;
-  const FfnSync sy = ffn_sync(a.scratch);
+  uint64_t* full = sm.full;
+  uint64_t* empty = sm.empty;
   uint32_t ids = 0;
   int q = 0;
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     const int kind = phase_kind(p);
-    if (kind == kRG && w.n[kRG] + w.n[kRD] > 0) {  // routed rows: once the router's ids are out
-      ids = wait_tagged(sy.ids, wait_tag(s_tag));
+    if (kind == kRG && w.n[kRG] + w.n[kRD] > 0) {  // routed rows: once the block's router warp has the ids
+      wait_set(&sm.ids_ready);
+      ids = *reinterpret_cast<volatile uint32_t*>(&sm.ids_packed);
       ffn_stamp(kEvIds);
     }
     for (int i = 0; i < w.n[kind]; ++i, ++q) {
       const Chunk c = chunk_of(a, w, b, grid, kind, i);
       const int stage = q % kFfnStages;
       if (q >= kFfnStages) mbar_wait(&empty[stage], ((q / kFfnStages) - 1) & 1);
+      stamp_chunk(q, 0);
       uint8_t* dst = ring + static_cast<size_t>(stage) * a.stage_bytes;
       const int64_t e = static_cast<int64_t>((ids >> (8 * c.slot)) & 0xffu);
       if (kind == kSG || kind == kRG) {  // gate rows at 0, up rows at kTileRows rows
@@ -255,9 +274,11 @@ __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& 
   ffn_stamp(kEvIssuedAll);
 }
 
-// Router warp: the router rows b, b + G, ... (row n_experts: the shared-expert gate), then in block 0 the top-k.
-// The same functions and operands as moe.cu's router blocks.
-__device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, uint32_t tag, Pick* list) {
+// Router warp: the router rows b, b + G, ... (row n_experts: the shared-expert gate), then the block's own top-k
+// of every logit (router.cuh's function on the same values: every block gets the ids and weights bit for bit;
+// block 0 writes them out), handed to the producer; then it watches the other blocks' act flags for the
+// consumers, so that no consumer polls global memory at a phase boundary.
+__device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, uint32_t tag, FfnShared& sm) {
   const int lane = threadIdx.x & 31;
   const FfnSync sy = ffn_sync(a.scratch);
   const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
@@ -275,7 +296,6 @@ __device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, u
       }
     }
   }
-  if (blockIdx.x != 0) return;
   float l[2] = {0.0f, 0.0f};
   for (;;) {
     bool ok = true;
@@ -284,31 +304,45 @@ __device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, u
       const int e = lane + 32 * k;
       if (e < a.n_experts) {
         const unsigned long long v = ld_relaxed_u64(sy.logits + e);
-        ok = ok && tag_of(v) == tag;
+        ok &= tag_of(v) == tag;
         l[k] = __uint_as_float(static_cast<uint32_t>(v));
       }
     }
     if (__all_sync(kFullMask, ok)) break;
     __nanosleep(TM_FLAG_SPIN_NS);
   }
-  router_topk_warp(l[0], l[1], a.n_experts, a.top_k, a.normalize, list, a.ids, a.weights);
-  if (lane == 0) {  // lane 0 wrote ids and weights: publish them, the ids word last
+  router_topk_warp(l[0], l[1], a.n_experts, a.top_k, a.normalize, sm.list, sm.ids, sm.weights);
+  if (lane == 0) {  // lane 0 wrote the picks
     uint32_t packed = 0;
     for (int s = 0; s < a.top_k; ++s) {
-      tagged_store(sy.weights + s, tag, __float_as_uint(a.weights[s]));
-      packed |= (static_cast<uint32_t>(a.ids[s]) & 0xffu) << (8 * s);
+      packed |= (static_cast<uint32_t>(sm.ids[s]) & 0xffu) << (8 * s);
+      if (blockIdx.x == 0) {
+        a.ids[s] = sm.ids[s];
+        a.weights[s] = sm.weights[s];
+      }
     }
-    tagged_store(sy.ids, tag, packed);
+    sm.ids_packed = packed;
+    __threadfence_block();
+    *reinterpret_cast<volatile uint32_t*>(&sm.ids_ready) = 1;
     ffn_stamp(kEvPublished);
+  }
+  wait_all_released(sy.sh_done, 2 * gridDim.x, tag, lane);
+  if (lane == 0) {
+    sm.gate = a.gate_inp != nullptr ? __uint_as_float(wait_tagged(sy.gate, tag)) : 1.0f;
+    ffn_stamp(kEvShReady);
+    mbar_arrive(&sm.sh_ready);  // release: sm.gate and what the fence acquired, to the consumers that wait on it
+  }
+  wait_all_released(sy.rt_done, 2 * gridDim.x, tag, lane);
+  if (lane == 0) {
+    ffn_stamp(kEvRtReady);
+    mbar_arrive(&sm.rt_ready);
   }
 }
 
 // Consumer warps. FH: the gate/up rows' layout, FS / FR: the shared / routed down rows'; V: float4 activation loads.
 template <Fmt FH, Fmt FS, Fmt FR, bool V>
-__device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, uint64_t* full,
-                                             uint64_t* empty, float* h_s, float* s_sh, float* s_rt,
-                                             float* norm_scratch, volatile uint32_t* s_tag, float* s_gate,
-                                             float (*s_wt)[kFfnMaxSlots]) {
+__device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& w, uint8_t* ring, float* h_s,
+                                             float* s_sh, float* s_rt, FfnShared& sm) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = warp / kFfnGroupWarps, wg = warp % kFfnGroupWarps;
   const int b = blockIdx.x, grid = gridDim.x;
   const bool stamper = wg == 0 && lane == 0;
@@ -319,19 +353,18 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
   unsigned long long ticket = 0;
   if (threadIdx.x == 0) ticket = atomicAdd(sy.ticket, 1ull);  // its round trip overlaps the norm
   if (g == 0)
-    block_rmsnorm(a.x, a.norm_w, a.hidden, a.eps, h_s, b == 0 ? a.h : nullptr, norm_scratch, NormWarpsBarrier<1>{});
+    block_rmsnorm(a.x, a.norm_w, a.hidden, a.eps, h_s, b == 0 ? a.h : nullptr, sm.norm, NormWarpsBarrier<1>{});
   if (threadIdx.x == 0) {
     const uint32_t epoch = static_cast<uint32_t>(ticket >> 32);
     // Every other block of this call has its ticket: the next call's epoch, from count 0.
     if (static_cast<uint32_t>(ticket) == static_cast<uint32_t>(grid) - 1)
       *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
-    *s_tag = epoch + 1;
+    sm.tag = epoch + 1;
   }
   named_barrier<kFfnConsumers + 32>(kBarH);
-  const uint32_t tag = *s_tag;
+  const uint32_t tag = sm.tag;
   if (threadIdx.x == 0) ffn_stamp(kEvH);
 
-  auto group_barrier = [&]() { named_barrier<kFfnGroupWarps * 32>(1 + g); };
   const int nb_h = a.hidden / 32, nb_fs = a.ffn_sh / 32, nb_f = a.ffn / 32;
   // Gate-up: a row pair (gate row, up row) a warp; act = silu(g) * u (moe.cu's gate_up_block).
   auto gate_up = [&](const Chunk& c, const uint8_t* st, float* act) {
@@ -349,7 +382,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     const float* xs[1] = {a.act_sh};
     float d[1][1];
     warp_dot<FS, 1, 1, false, V, true>(wr, xs, nb_fs, d);
-    if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(s_gate[g], d[0][0]);
+    if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(sm.gate, d[0][0]);
   };
   // moe.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
   auto routed_down = [&](const Chunk& c, const uint8_t* st) {
@@ -360,7 +393,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     warp_dot<FR, 2, 1, true, V, true>(wr, xs, nb_f, d);
     if (lane == 0) {
       const int i = c.first - w.row0 + 2 * wg;
-      const float we = s_wt[g][c.slot];
+      const float we = sm.weights[c.slot];
       s_rt[i * a.top_k + c.slot] = __fmul_rn(we, d[0][0]);
       s_rt[(i + 1) * a.top_k + c.slot] = __fmul_rn(we, d[1][0]);
     }
@@ -370,31 +403,27 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
   for (int p = 0; p < 4; ++p) {
     const int kind = phase_kind(p), begin = w.begin[p], end = w.begin[p + 1];
     const int first = begin + ((begin ^ g) & 1);  // the group's chunks: q % 2 == g
-    if (first < end && (kind == kSD || kind == kRD)) {  // inputs from every block: wait for their flags
-      if (wg == 0) {
-        wait_all_released(kind == kSD ? sy.sh_done : sy.rt_done, 2 * grid, tag, lane);
-        if (kind == kSD && lane == 0)
-          s_gate[g] = a.gate_inp != nullptr ? __uint_as_float(wait_tagged(sy.gate, tag)) : 1.0f;
-        if (kind == kRD && lane < a.top_k) s_wt[g][lane] = __uint_as_float(wait_tagged(sy.weights + lane, tag));
-      }
-      group_barrier();
+    if (first < end && (kind == kSD || kind == kRD)) {  // inputs from every block: the router warp watched
+      mbar_wait(kind == kSD ? &sm.sh_ready : &sm.rt_ready, 0);
       if (stamper) ffn_stamp(kEvWaitEnd0 + 2 * p + g);
     }
     // (an RG chunk is copied only once the ids are out: its stage's barrier orders them for the consumer)
     for (int q = first; q < end; q += 2) {
       const int stage = q % kFfnStages;
       const Chunk c = chunk_of(a, w, b, grid, kind, q - begin);
-      mbar_wait(&full[stage], (q / kFfnStages) & 1);
+      mbar_wait(&sm.full[stage], (q / kFfnStages) & 1);
+      if (stamper) stamp_chunk(q, 1);
       const uint8_t* st = ring + static_cast<size_t>(stage) * a.stage_bytes;
       if (kind == kSG) gate_up(c, st, a.act_sh);
       else if (kind == kRG) gate_up(c, st, a.act + c.slot * a.ffn);
       else if (kind == kSD) shared_down(c, st);
       else routed_down(c, st);
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
+      if (lane == 0) mbar_arrive(&sm.empty[stage]);
+      if (stamper) stamp_chunk(q, 2);
     }
     if (kind == kSG || kind == kRG) {  // the group's activations are stored: release them to every block
-      group_barrier();
+      named_barrier<kFfnGroupWarps * 32>(1 + g);
       if (wg == 0 && lane == 0) flag_release((kind == kSG ? sy.sh_done : sy.rt_done) + 2 * b + g, tag, 0);
     }
     if (stamper) ffn_stamp(kEvPhaseEnd0 + 2 * p + g);
@@ -415,10 +444,7 @@ template <Fmt FH, Fmt FS, Fmt FR, bool V>
 __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(const FfnArgs a) {
   static_assert(kFfnGroupWarps * 32 == kNormThreads, "group 0 computes norm.cuh's tree");
   extern __shared__ __align__(128) uint8_t ffn_smem[];  // the ring, h, the shared and routed terms
-  __shared__ uint64_t full[kFfnStages], empty[kFfnStages];
-  __shared__ uint32_t s_tag;
-  __shared__ float s_gate[2], s_wt[2][kFfnMaxSlots], s_norm[kNormWarps + 4];
-  __shared__ Pick s_list[kFfnMaxSlots];
+  __shared__ FfnShared sm;
   uint8_t* ring = ffn_smem;
   float* h_s = reinterpret_cast<float*>(ffn_smem + static_cast<size_t>(kFfnStages) * a.stage_bytes);
   float* s_sh = h_s + router_h_floats(a.hidden);
@@ -426,31 +452,35 @@ __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     ffn_stamp(kEvStart);
-    s_tag = 0;
+    sm.tag = sm.ids_ready = 0;
     for (int s = 0; s < kFfnStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kFfnGroupWarps);
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], kFfnGroupWarps);
     }
+    mbar_init(&sm.sh_ready, 1);
+    mbar_init(&sm.rt_ready, 1);
     mbar_init_fence();
   }
   __syncthreads();
   const BlockWork w = block_work(a, blockIdx.x, gridDim.x);
   if (warp == kFfnProducerWarp) {
-    if (lane == 0) ffn_producer(a, w, ring, full, empty, &s_tag);
+    if (lane == 0) ffn_producer(a, w, ring, sm);
     return;
   }
   if (warp == kFfnRouterWarp) {
-    // its rows into L2 while the previous kernel runs (weights: allowed before pdl_wait)
+    // its rows into L1 while the previous kernel runs (weights: allowed before pdl_wait), for a dot without a
+    // trip to memory behind the ring's copies
     const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
-    for (int r = blockIdx.x; r < rows; r += gridDim.x)
-      prefetch_row_l2(r == a.n_experts ? a.gate_inp : a.w_router + static_cast<int64_t>(r) * a.hidden,
-                      a.hidden * 4, lane);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+      const char* row = reinterpret_cast<const char*>(r == a.n_experts ? a.gate_inp : a.w_router + int64_t{r} * a.hidden);
+      for (int off = 128 * lane; off < a.hidden * 4; off += 32 * 128) prefetch_l1(row + off);
+    }
     pdl_wait();
     named_barrier<kFfnConsumers + 32>(kBarH);
-    ffn_router(a, h_s, s_tag, s_list);
+    ffn_router(a, h_s, sm.tag, sm);
     return;
   }
-  ffn_consumer<FH, FS, FR, V>(a, w, ring, full, empty, h_s, s_sh, s_rt, s_norm, &s_tag, s_gate, s_wt);
+  ffn_consumer<FH, FS, FR, V>(a, w, ring, h_s, s_sh, s_rt, sm);
 }
 
 // The persistent launch's plan for these shapes on the device of `lim`; false where it does not apply: another
