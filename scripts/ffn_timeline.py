@@ -5,7 +5,9 @@ Runs decode steps (fused, CUDA graph) of a model on a library built with ``-DTM_
 (csrc/cuda/moe_ffn.cu: every block of the latest launch stamps the global timer at its start, when its
 consumers are past pdl_wait, when h is ready, when each consumer group ends each phase and ends its wait
 for the other blocks before a phase, when it has written x, when its producer has the ids and has issued
-its last copy, and block 0's router warp when it published the ids), reads the last layer's stamps after
+its last copy, when its router warp has the top-k and has seen every block's act_sh and act flags, and for
+its first 24 chunks when their copies were issued, landed (warp 0 of the group past the wait) and were done
+with (that warp's job), reads the last layer's stamps after
 each step and prints, per event, min / median / max over the blocks in microseconds after the launch's first
 block started (median over steps). Phases in ring order: SG, RG, SD, RD (the build's TM_FFN_SD_FIRST=1: SG,
 SD, RG, RD).
@@ -32,7 +34,8 @@ from tornado_moe.tools.run_info import run_info
 MAX_BLOCKS = 1024  # TM_FFN_MAX_BLOCKS
 EVENTS = (["start", "waited", "h"] + [f"end p{p} g{g}" for p in range(4) for g in range(2)]
           + [f"wait p{p} g{g}" for p in range(4) for g in range(2)]
-          + ["done", "ids", "issued all", "published"])
+          + ["done", "ids", "issued all", "published", "sh ready", "rt ready"]
+          + [f"chunk {q} {what}" for q in range(24) for what in ("issued", "ready", "done")])
 
 
 def reader() -> ctypes._CFuncPtr:
@@ -92,9 +95,15 @@ def main(argv: list[str] | None = None) -> int:
           "block started, min / median / max over blocks (median over steps)")
     for ev in EVENTS:
         have = [s[ev] for s in samples if ev in s]
-        if have:
+        if have and not ev.startswith("chunk"):
             v = [statistics.median(h[i] for h in have) for i in range(3)]
             print(f"  {ev:12s} {v[0]:7.2f} {v[1]:7.2f} {v[2]:7.2f}")
+    print("  chunk q: issued / landed / done, medians over blocks (median over steps)")
+    for q in range(24):
+        have = [[s[f"chunk {q} {w}"][1] for s in samples if f"chunk {q} {w}" in s]
+                for w in ("issued", "ready", "done")]
+        if all(have):
+            print(f"  chunk {q:2d} " + " ".join(f"{statistics.median(h):7.2f}" for h in have))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run_info(sys.argv[1:], "cuda", model=args.model, samples=samples), f, indent=1)
