@@ -47,9 +47,18 @@ constexpr int kFfnConsumers = 2 * kFfnGroupWarps * 32;      // threads 0 .. 511
 constexpr int kFfnProducerWarp = 2 * kFfnGroupWarps;        // warp 16
 constexpr int kFfnRouterWarp = kFfnProducerWarp + 1;        // warp 17
 constexpr int kFfnThreads = (kFfnRouterWarp + 1) * 32;
-constexpr int kFfnStages = 4;  // even, so that a stage always serves the same group
+// Ring stages and shared-down rows a chunk (measurement knobs): a stage holds the largest chunk, and each chunk is
+// consumed by the 8 warps of one group (idle warps arrive too), whichever group that is.
+#ifndef TM_FFN_STAGES
+#define TM_FFN_STAGES 4
+#endif
+#ifndef TM_FFN_SD_ROWS
+#define TM_FFN_SD_ROWS 8
+#endif
+constexpr int kFfnStages = TM_FFN_STAGES;
 constexpr int kTileRows = 8;   // SG / RG chunk: a row pair a warp
-constexpr int kSdRows = 8;     // SD chunk: a row a warp
+constexpr int kSdRows = TM_FFN_SD_ROWS;  // SD chunk: a row a warp
+static_assert(kSdRows >= 1 && kSdRows <= 8, "a shared-down row a consumer warp of a group");
 constexpr int kRdRows = 16;    // RD chunk: a row pair a warp
 constexpr int kFfnMaxSlots = 4;                  // ids packed in one word
 constexpr int kFfnMaxExperts = 64;               // router_topk_warp
