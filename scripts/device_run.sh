@@ -20,7 +20,7 @@
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
-# TESTS_MUST_PASS=1: stop after the tests stage if a test failed;
+# TESTS_MUST_PASS=1: stop after the tests stage if a test failed; FFN_PICK=1 (see below);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
@@ -198,6 +198,21 @@ if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain b
       --variants fused,graphs --json "$OUT/profile_sweep_$name.json" > "$OUT/profile_sweep_$name.log" 2>&1
     grep -E "attn|attention|router|experts|chain" "$OUT/profile_sweep_$name.log"
   done
+fi
+# FFN_PICK=1: the rest of the call (determinism, profile) runs tm_router_experts_ffn in whichever form decoded faster
+# above, fused + graphs + torch: this tree's bench (the persistent launch) or its sweep `two`
+# (TORNADO_MOE_FFN_ONE_LAUNCH=0: the two launches)
+if [ -n "${FFN_PICK:-}" ] && [ -f "$OUT/bench.json" ] && [ -f "$OUT/bench_sweep_two.json" ]; then
+  one_launch=$($PY - "$OUT/bench.json" "$OUT/bench_sweep_two.json" <<'PYEOF'
+import json, sys
+def tok_s(path):
+    return max(v["decode_tok_s_median"] for v in json.load(open(path))["variants"]
+               if v["variant"] == "fused/graphs/torch")
+print(1 if tok_s(sys.argv[1]) >= tok_s(sys.argv[2]) else 0)
+PYEOF
+)
+  export TORNADO_MOE_FFN_ONE_LAUNCH=$one_launch
+  echo "FFN_PICK: TORNADO_MOE_FFN_ONE_LAUNCH=$one_launch from here on" | tee "$OUT/ffn_pick.txt"
 fi
 if want layout; then
   stamp "bench with GGUF-layout Q8_0 weights (no tiling)"

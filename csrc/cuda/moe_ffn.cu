@@ -56,6 +56,13 @@ constexpr int kFfnThreads = (kFfnRouterWarp + 1) * 32;
 #define TM_FFN_SD_ROWS 8
 #endif
 constexpr int kFfnStages = TM_FFN_STAGES;
+// Chunks a producer has in flight at most (copies issued, not landed). Every byte queued in the memory system
+// delays every load behind it, the router's included: with the whole ring in flight (18 MB over 132 SMs) the
+// ids came 10 us after h on the H200; two chunks a SM are still more than the copy bandwidth needs.
+#ifndef TM_FFN_IN_FLIGHT
+#define TM_FFN_IN_FLIGHT 2
+#endif
+constexpr int kFfnInFlight = TM_FFN_IN_FLIGHT < kFfnStages ? TM_FFN_IN_FLIGHT : kFfnStages;
 constexpr int kTileRows = 8;   // SG / RG chunk: a row pair a warp
 constexpr int kSdRows = TM_FFN_SD_ROWS;  // SD chunk: a row a warp
 static_assert(kSdRows >= 1 && kSdRows <= 8, "a shared-down row a consumer warp of a group");
@@ -91,6 +98,7 @@ __device__ __forceinline__ FfnSync ffn_sync(int32_t* scratch) {
 struct FfnShared {
   uint64_t full[kFfnStages], empty[kFfnStages];  // the ring: a stage's copies landed / its group is done with it
   uint64_t sh_ready, rt_ready;  // every block's act_sh / act is stored (the router warp arrives, consumers wait)
+  uint64_t row_landed;          // the block's first router row is in shared memory
   uint32_t tag;                 // the call's epoch tag (0 until consumer thread 0 has it)
   uint32_t ids_packed, ids_ready;
   int32_t ids[kFfnMaxSlots];
@@ -119,6 +127,8 @@ struct FfnArgs {
   uint32_t rb_h, rb_fs, rb_f;  // row bytes: gate/up rows, shared down rows, routed down rows
   uint32_t stage_bytes;
   int n_sg, rg_tiles, rows_max;  // SG tiles, RG tiles per slot, output rows a block at most
+  int router_rows;               // n_experts, + 1 with the shared-expert gate row
+  uint32_t router_row_offset;    // bytes from the ring's end to the router row's copy
 };
 
 // The order of a block's phases (ring order = consumption order). Default: SG, RG, SD, RD, so that the shared down
@@ -244,6 +254,13 @@ __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& 
   const int b = blockIdx.x, grid = gridDim.x;
   uint64_t* full = sm.full;
   uint64_t* empty = sm.empty;
+  if (b < a.router_rows) {  // the block's first router row, ahead of every chunk in the memory system's queues
+    const float* row = b == a.n_experts ? a.gate_inp : a.w_router + static_cast<int64_t>(b) * a.hidden;
+    const uint32_t bytes = static_cast<uint32_t>(a.hidden) * 4;
+    mbar_arrive_expect_tx(&sm.row_landed, bytes);
+    bulk_copy_to_smem(ring + static_cast<size_t>(kFfnStages) * a.stage_bytes + a.router_row_offset, row, bytes,
+                      &sm.row_landed);
+  }
   uint32_t ids = 0;
   int q = 0;
 #pragma unroll
@@ -258,6 +275,10 @@ __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& 
       const Chunk c = chunk_of(a, w, b, grid, kind, i);
       const int stage = q % kFfnStages;
       if (q >= kFfnStages) mbar_wait(&empty[stage], ((q / kFfnStages) - 1) & 1);
+      if (q >= kFfnInFlight) {  // chunk q - kFfnInFlight has landed (its stage is not refilled before chunk q)
+        const int back = q - kFfnInFlight;
+        mbar_wait(&full[back % kFfnStages], (back / kFfnStages) & 1);
+      }
       stamp_chunk(q, 0);
       uint8_t* dst = ring + static_cast<size_t>(stage) * a.stage_bytes;
       const int64_t e = static_cast<int64_t>((ids >> (8 * c.slot)) & 0xffu);
@@ -287,14 +308,20 @@ __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& 
 // of every logit (router.cuh's function on the same values: every block gets the ids and weights bit for bit;
 // block 0 writes them out), handed to the producer; then it watches the other blocks' act flags for the
 // consumers, so that no consumer polls global memory at a phase boundary.
-__device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, uint32_t tag, FfnShared& sm) {
+__device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, const float* row_s, uint32_t tag,
+                                           FfnShared& sm) {
   const int lane = threadIdx.x & 31;
   const FfnSync sy = ffn_sync(a.scratch);
-  const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
-  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+  for (int r = blockIdx.x; r < a.router_rows; r += gridDim.x) {
     const bool gate_row = r == a.n_experts;
     const float* row = gate_row ? a.gate_inp : a.w_router + static_cast<int64_t>(r) * a.hidden;
-    const float v = warp_dot_f32_row(gate_row ? a.gate_mode : a.router_mode, row, h_s, a.hidden);
+    float v;
+    if (r == static_cast<int>(blockIdx.x)) {  // the producer's copy (qdot.cuh: the same bits from shared memory)
+      mbar_wait(&sm.row_landed, 0);
+      v = warp_dot_f32x4_row_smem(row_s, h_s, a.hidden);
+    } else {
+      v = warp_dot_f32_row(gate_row ? a.gate_mode : a.router_mode, row, h_s, a.hidden);
+    }
     if (lane == 0) {
       if (gate_row) {
         const float g = sigmoid_f32(v);
@@ -468,6 +495,7 @@ __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(cons
     }
     mbar_init(&sm.sh_ready, 1);
     mbar_init(&sm.rt_ready, 1);
+    mbar_init(&sm.row_landed, 1);
     mbar_init_fence();
   }
   __syncthreads();
@@ -477,16 +505,11 @@ __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(cons
     return;
   }
   if (warp == kFfnRouterWarp) {
-    // its rows into L1 while the previous kernel runs (weights: allowed before pdl_wait), for a dot without a
-    // trip to memory behind the ring's copies
-    const int rows = a.n_experts + (a.gate_inp != nullptr ? 1 : 0);
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-      const char* row = reinterpret_cast<const char*>(r == a.n_experts ? a.gate_inp : a.w_router + int64_t{r} * a.hidden);
-      for (int off = 128 * lane; off < a.hidden * 4; off += 32 * 128) prefetch_l1(row + off);
-    }
     pdl_wait();
     named_barrier<kFfnConsumers + 32>(kBarH);
-    ffn_router(a, h_s, sm.tag, sm);
+    ffn_router(a, h_s, reinterpret_cast<const float*>(ring + static_cast<size_t>(kFfnStages) * a.stage_bytes +
+                                                       a.router_row_offset),
+               sm.tag, sm);
     return;
   }
   ffn_consumer<FH, FS, FR, V>(a, w, ring, h_s, s_sh, s_rt, sm);
@@ -500,6 +523,7 @@ struct FfnPlan {
   int grid;
   uint32_t rb_h, rb_fs, rb_f, stage;
   int rows_max;
+  uint32_t router_row_offset;  // after the ring: h, the shared and routed terms, then the router row's copy
   int64_t smem;
 };
 bool ffn_plan(const Limits& lim, int qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k, int64_t hidden,
@@ -517,7 +541,9 @@ bool ffn_plan(const Limits& lim, int qtype, int64_t n_tokens, int64_t n_experts,
                                   int64_t{kRdRows} * p->rb_f});
   p->stage = static_cast<uint32_t>(ceil_div(stage, 128) * 128);
   p->rows_max = 2 * static_cast<int>(ceil_div(hidden / 2, p->grid));
-  p->smem = int64_t{kFfnStages} * p->stage + 4 * (router_h_floats(hidden) + int64_t{p->rows_max} * (1 + top_k));
+  p->router_row_offset =
+      static_cast<uint32_t>(ceil_div(4 * (router_h_floats(hidden) + int64_t{p->rows_max} * (1 + top_k)), 16) * 16);
+  p->smem = int64_t{kFfnStages} * p->stage + p->router_row_offset + 4 * hidden;
   return p->grid >= 1 && p->smem + 1024 <= lim.smem_block;  // 1 KB: the static shared memory
 }
 
@@ -541,8 +567,9 @@ extern "C" int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float e
   FfnPlan plan;
   bool fits = ffn_plan(lim, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn, &plan);
   for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(h), w_gate_sh, w_up_sh, w_down_sh,
-                        w_gate, w_up, w_down, static_cast<const void*>(act_sh), static_cast<const void*>(act)})
-    fits = fits && aligned(p, 16);
+                        w_gate, w_up, w_down, static_cast<const void*>(act_sh), static_cast<const void*>(act),
+                        static_cast<const void*>(w_router), static_cast<const void*>(gate_inp_sh)})
+    fits = fits && aligned(p, 16);  // the copies' alignment (a null gate row is)
   if (!fits) {
     TM_TRY(tm_cuda_router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                           act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
@@ -584,6 +611,8 @@ extern "C" int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float e
   a.n_sg = static_cast<int>(ceil_div(ffn_sh, kTileRows));
   a.rg_tiles = static_cast<int>(ceil_div(ffn, kTileRows));
   a.rows_max = plan.rows_max;
+  a.router_rows = static_cast<int>(n_experts) + (gate_inp_sh != nullptr ? 1 : 0);
+  a.router_row_offset = plan.router_row_offset;
   const bool v = aligned(act_sh, 16) && aligned(act, 16) && ffn % 4 == 0;  // the downs' activation loads
   const cudaStream_t s = as_stream(stream);
   auto run = [&](auto kernel) -> int {

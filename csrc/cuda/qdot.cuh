@@ -562,6 +562,17 @@ __device__ __forceinline__ float warp_dot_f32_row(int mode, const float* w, cons
   return warp_dot_f32_row<true, true>(w, x, n);
 }
 
+// warp_dot_f32_row's X4 layout (n a multiple of 4) with both the row and x in shared memory (plain loads): lane l
+// adds the blocks l, l + 32, ... in increasing order with F32X4's arithmetic, then warp_sum, which is what
+// warp_dot_blocks<F32X4> does whatever its batching, so the bits are warp_dot_f32_row's.
+__device__ __forceinline__ float warp_dot_f32x4_row_smem(const float* w, const float* x, int64_t n) {
+  using T = FmtTraits<Fmt::F32X4>;
+  float acc = 0.0f;
+  for (int64_t blk = threadIdx.x & 31; blk < n / 4; blk += 32)
+    acc = T::dot(T::Frag{ld_x4<true>(w + 4 * blk)}, ld_x4<true>(x + 4 * blk), acc);
+  return warp_sum(acc);
+}
+
 // ---- host side: choosing the layout -------------------------------------------------------------------------
 
 inline int f32_row_mode(int64_t n, bool aligned16) {
