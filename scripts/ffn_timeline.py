@@ -25,9 +25,8 @@ import sys
 
 import numpy as np
 import torch
+from rgu_timeline import decode_step_stamps
 
-from tornado_moe.engine import Engine, EngineOptions
-from tornado_moe.model.gguf_model import load_model
 from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
@@ -80,17 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     fn = reader()
-    engine = Engine(load_model(args.model), EngineOptions(device="cuda", cuda_graphs=True))
-    try:
-        for tok in range(1, args.prompt_tokens + 1):
-            engine.feed(tok)
-        read_launch(fn)  # the prompt's stamps, cleared
-        samples = []
-        for _ in range(args.steps):
-            engine.decode_next()
-            samples.append(summarize(read_launch(fn)))
-    finally:
-        engine.close()
+    samples = [summarize(r) for r in
+               decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(fn))]
     print(f"router_experts_ffn, the last layer's launch, {len(samples)} decode steps: us after its first "
           "block started, min / median / max over blocks (median over steps)")
     for ev in EVENTS:

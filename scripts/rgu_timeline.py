@@ -22,6 +22,8 @@ import ctypes
 import json
 import statistics
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from tornado_moe.model.gguf_model import load_model
 from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
+T = TypeVar("T")
 ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
 # moe.cu's TimelineRow (48 bytes, static_assert there): the timer at the five events (ns), role, SM
 ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
@@ -91,6 +94,25 @@ def summarize(rows: np.ndarray) -> dict:
     return out
 
 
+def decode_step_stamps(model: str, prompt_tokens: int, steps: int, read: Callable[[], T]) -> list[T]:
+    """Feeds a prompt of token ids 1..prompt_tokens (fused, CUDA graph), clears the stamps (read() once), then
+    returns read() after each of `steps` decode steps: what a measurement build stamped in that step."""
+    engine = Engine(load_model(model), EngineOptions(device="cuda", cuda_graphs=True))
+    try:
+        for tok in range(1, prompt_tokens + 1):
+            engine.feed(tok)
+        torch.cuda.synchronize()
+        read()  # the prompt's stamps, cleared
+        out = []
+        for _ in range(steps):
+            engine.decode_next()
+            torch.cuda.synchronize()
+            out.append(read())
+        return out
+    finally:
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="GGUF model with routed and shared experts (the synth)")
@@ -102,20 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     read = timeline_reader()
-    engine = Engine(load_model(args.model), EngineOptions(device="cuda", cuda_graphs=True))
-    try:
-        for tok in range(1, args.prompt_tokens + 1):
-            engine.feed(tok)
-        torch.cuda.synchronize()
-        read_launch(read)  # the prompt's rows, cleared
-        samples, raw = [], {}
-        for step in range(args.steps):
-            engine.decode_next()
-            torch.cuda.synchronize()
-            raw[f"step{step}"] = read_launch(read)
-            samples.append(summarize(raw[f"step{step}"]))
-    finally:
-        engine.close()
+    rows = decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(read))
+    raw = {f"step{step}": r for step, r in enumerate(rows)}
+    samples = [summarize(r) for r in rows]
     print(f"router_experts_gate_up, the last layer's launch, {len(samples)} decode steps (median over steps "
           "of each figure; us after the launch's first block started: min / median / max over its blocks)")
     print(f"span {statistics.median(s['span_us'] for s in samples):.2f} us, "

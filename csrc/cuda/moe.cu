@@ -332,21 +332,8 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   if (warp != 0) return;
   TM_TOPK_STAMP(0);
   // The token's logits, once every router block of it has stored its own (they hold lower tickets: running).
-  float l[2] = {0.0f, 0.0f};
-  for (;;) {
-    bool ok = true;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int64_t ek = lane + 32 * k;
-      if (ek < ra.n_experts) {
-        const unsigned long long w = ld_relaxed_u64(logits + ek);
-        ok = ok && tag_of(w) == raised;
-        l[k] = __uint_as_float(static_cast<uint32_t>(w));
-      }
-    }
-    if (__all_sync(kFullMask, ok)) break;
-    __nanosleep(TM_FLAG_SPIN_NS);
-  }
+  float l[2];
+  wait_tagged_logits(logits, ra.n_experts, raised, l);
   TM_TOPK_STAMP(1);
   router_topk_warp(l[0], l[1], ra.n_experts, ra.top_k, ra.normalize, list, ra.ids + t * ra.top_k,
                    ra.weights + t * ra.top_k);

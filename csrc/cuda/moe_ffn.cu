@@ -332,21 +332,8 @@ __device__ __forceinline__ void ffn_router(const FfnArgs& a, const float* h_s, c
       }
     }
   }
-  float l[2] = {0.0f, 0.0f};
-  for (;;) {
-    bool ok = true;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int e = lane + 32 * k;
-      if (e < a.n_experts) {
-        const unsigned long long v = ld_relaxed_u64(sy.logits + e);
-        ok &= tag_of(v) == tag;
-        l[k] = __uint_as_float(static_cast<uint32_t>(v));
-      }
-    }
-    if (__all_sync(kFullMask, ok)) break;
-    __nanosleep(TM_FLAG_SPIN_NS);
-  }
+  float l[2];
+  wait_tagged_logits(sy.logits, a.n_experts, tag, l);
   router_topk_warp(l[0], l[1], a.n_experts, a.top_k, a.normalize, sm.list, sm.ids, sm.weights);
   if (lane == 0) {  // lane 0 wrote the picks
     uint32_t packed = 0;

@@ -65,6 +65,29 @@ __device__ __forceinline__ void write_picks(const Pick* list, int64_t top_k, int
   }
 }
 
+// One warp, n_experts <= 64: waits until each of a token's tagged logit words (common.cuh: tag << 32 | the float's
+// bits, relaxed stores by the blocks that computed them) carries `tag`, and returns lane l's logits of experts l
+// and 32 + l in l[0], l[1] (router_topk_warp's operands; past n_experts: 0).
+__device__ __forceinline__ void wait_tagged_logits(const unsigned long long* logits, int64_t n_experts, uint32_t tag,
+                                                   float (&l)[2]) {
+  const int lane = threadIdx.x & 31;
+  l[0] = l[1] = 0.0f;
+  for (;;) {
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int64_t e = lane + 32 * k;
+      if (e < n_experts) {
+        const unsigned long long w = ld_relaxed_u64(logits + e);
+        ok = ok && tag_of(w) == tag;
+        l[k] = __uint_as_float(static_cast<uint32_t>(w));
+      }
+    }
+    if (__all_sync(kFullMask, ok)) return;
+    __nanosleep(TM_FLAG_SPIN_NS);
+  }
+}
+
 // One warp, n_experts <= 64: lane l holds the logits of experts l (l0) and 32 + l (l1; either may be anything
 // past n_experts). Passes 1-3 of router.cu in registers: M = max (order-free), Z = the 32-expert group sums
 // (warp_sum) added in increasing group order, p = exp(l - M) / Z, then top_k rounds of warp_best, each taking the
