@@ -200,15 +200,15 @@ if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain b
   done
 fi
 # FFN_PICK=1: the rest of the call (determinism, profile) runs tm_router_experts_ffn in whichever form decoded faster
-# above, fused + graphs + torch: this tree's bench (the persistent launch) or its sweep `two`
-# (TORNADO_MOE_FFN_ONE_LAUNCH=0: the two launches)
-if [ -n "${FFN_PICK:-}" ] && [ -f "$OUT/bench.json" ] && [ -f "$OUT/bench_sweep_two.json" ]; then
-  one_launch=$($PY - "$OUT/bench.json" "$OUT/bench_sweep_two.json" <<'PYEOF'
+# above, fused + graphs + torch: this tree's bench (the default: the two launches) or its sweep `one`
+# (TORNADO_MOE_FFN_ONE_LAUNCH=1: the persistent launch)
+if [ -n "${FFN_PICK:-}" ] && [ -f "$OUT/bench.json" ] && [ -f "$OUT/bench_sweep_one.json" ]; then
+  one_launch=$($PY - "$OUT/bench_sweep_one.json" "$OUT/bench.json" <<'PYEOF'
 import json, sys
 def tok_s(path):
     return max(v["decode_tok_s_median"] for v in json.load(open(path))["variants"]
                if v["variant"] == "fused/graphs/torch")
-print(1 if tok_s(sys.argv[1]) >= tok_s(sys.argv[2]) else 0)
+print(1 if tok_s(sys.argv[1]) > tok_s(sys.argv[2]) else 0)
 PYEOF
 )
   export TORNADO_MOE_FFN_ONE_LAUNCH=$one_launch

@@ -25,9 +25,8 @@ import sys
 
 import numpy as np
 import torch
-from rgu_timeline import decode_step_stamps
+from rgu_timeline import decode_step_stamps, timeline_reader
 
-from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
 MAX_BLOCKS = 1024  # TM_FFN_MAX_BLOCKS
@@ -35,17 +34,6 @@ EVENTS = (["start", "waited", "h"] + [f"end p{p} g{g}" for p in range(4) for g i
           + [f"wait p{p} g{g}" for p in range(4) for g in range(2)]
           + ["done", "ids", "issued all", "published", "sh ready", "rt ready"]
           + [f"chunk {q} {what}" for q in range(24) for what in ("issued", "ready", "done")])
-
-
-def reader() -> ctypes._CFuncPtr:
-    lib = ctypes.CDLL(str(native_dir() / "libtornado_moe.so"))
-    try:
-        fn = lib.tm_cuda_ffn_timeline
-    except AttributeError:
-        sys.exit("this tornado-moe library was built without -DTM_FFN_TIMELINE=1: no timeline to read")
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    fn.restype = ctypes.c_int64
-    return fn
 
 
 def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
@@ -78,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    fn = reader()
+    fn = timeline_reader("ffn")
     samples = [summarize(r) for r in
                decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(fn))]
     print(f"router_experts_ffn, the last layer's launch, {len(samples)} decode steps: us after its first "

@@ -42,12 +42,14 @@ EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
 TOPK_STEPS = ("poll start", "logits in", "softmax", "picks", "ids stored")  # role 4, the last row
 
 
-def timeline_reader() -> ctypes._CFuncPtr:
+def timeline_reader(kernel: str = "rgu") -> ctypes._CFuncPtr:
+    """tm_cuda_<kernel>_timeline of a measurement build (-DTM_<KERNEL>_TIMELINE=1): (buffer, rows) -> int."""
     lib = ctypes.CDLL(str(native_dir() / "libtornado_moe.so"))  # the library the torch ops already loaded
     try:
-        fn = lib.tm_cuda_rgu_timeline
+        fn = getattr(lib, f"tm_cuda_{kernel}_timeline")
     except AttributeError:
-        sys.exit("this tornado-moe library was built without -DTM_RGU_TIMELINE=1: no timeline to read")
+        sys.exit(f"this tornado-moe library was built without -DTM_{kernel.upper()}_TIMELINE=1: no timeline "
+                 "to read")
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     fn.restype = ctypes.c_int64
     return fn

@@ -429,7 +429,8 @@ FFN_SHAPES = [
 def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: bool, shape: tuple) -> None:
     """Every output (x, h, ids, weights, act_sh, act and the shared gate) equals router_experts_gate_up's then
     experts_down_accumulate's, bit for bit, in three calls back to back on one scratch with a
-    router_experts_gate_up call between them on the same scratch (they share its epoch word)."""
+    router_experts_gate_up call between them on the same scratch (they share its epoch word), in the default
+    form (two launches) and with the persistent launch chosen (set_ffn_one_launch)."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
@@ -470,21 +471,30 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
     assert not any(torch.isnan(t).any() for t in want if t is not None and t.is_floating_point())
     assert not torch.equal(want[0], x0) and (want[2] >= 0).all()
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
-    for call in range(3):
-        got = outputs()
-        x, h, ids, wt, sh, act, gate = got
-        K.router_experts_ffn(x, norm_w, 1e-6, h, w_router, ids, wt, Q8_0_TILED, gs, us, wd_sh, sh, ffn_sh,
-                             gate_inp, gate, g, u, wd, act, n_tokens, n_experts, hidden, top_k, normalize,
-                             ffn, scratch)
-        for name, a, b in zip(("x", "h", "ids", "weights", "act_sh", "act", "gate"), got, want, strict=True):
-            assert a is None or torch.equal(a, b), (call, name)
-        if call == 1:  # the other kernel on the same scratch in between
-            shared = two_launches(scratch)
-            assert all(a is None or torch.equal(a, b) for a, b in zip(shared, want, strict=True))
-    one = n_tokens == 1 and device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    want_launches = 1 if device == "cpu" or one else 2
-    assert K.router_experts_ffn_launches(device, Q8_0_TILED, n_tokens, n_experts, top_k, hidden, ffn_sh,
-                                         ffn) == want_launches
+    def ffn_calls(one_launch: bool) -> None:
+        for call in range(3):
+            got = outputs()
+            x, h, ids, wt, sh, act, gate = got
+            K.router_experts_ffn(x, norm_w, 1e-6, h, w_router, ids, wt, Q8_0_TILED, gs, us, wd_sh, sh, ffn_sh,
+                                 gate_inp, gate, g, u, wd, act, n_tokens, n_experts, hidden, top_k, normalize,
+                                 ffn, scratch)
+            names = ("x", "h", "ids", "weights", "act_sh", "act", "gate")
+            for name, a, b in zip(names, got, want, strict=True):
+                assert a is None or torch.equal(a, b), (one_launch, call, name)
+            if call == 1:  # the other kernel on the same scratch in between
+                shared = two_launches(scratch)
+                assert all(a is None or torch.equal(a, b) for a, b in zip(shared, want, strict=True))
+        one = (one_launch and n_tokens == 1 and device == "cuda"
+               and torch.cuda.get_device_capability()[0] >= 9)
+        assert K.router_experts_ffn_launches(device, Q8_0_TILED, n_tokens, n_experts, top_k, hidden, ffn_sh,
+                                             ffn) == (1 if device == "cpu" or one else 2)
+
+    ffn_calls(False)  # the default: the two launches
+    K.set_ffn_one_launch(True)
+    try:
+        ffn_calls(True)  # the persistent launch where it applies
+    finally:
+        K.set_ffn_one_launch(None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

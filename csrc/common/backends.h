@@ -91,6 +91,7 @@ int tm_cuda_compiled_impl(void);
 int tm_cuda_device_count_impl(void);
 int tm_cuda_device_props_impl(tm_device_props* out);
 int tm_cuda_set_launch_limits_impl(int64_t smem_per_block, int max_grid_yz);
+int tm_cuda_set_ffn_one_launch_impl(int on);
 int tm_cuda_graph_begin_capture_impl(void* stream);
 int tm_cuda_graph_end_capture_impl(void* stream, void** graph_exec_out);
 int tm_cuda_graph_launch_impl(void* graph_exec, void* stream);

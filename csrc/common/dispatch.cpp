@@ -192,6 +192,12 @@ TM_API int tm_set_launch_limits_for_testing(int64_t smem_per_block, int max_grid
   return tm_cuda_set_launch_limits_impl(smem_per_block, max_grid_yz);
 }
 
+TM_API int tm_set_ffn_one_launch(int on) {
+  if (on < -1 || on > 1)
+    return tm_set_error(kInvalid, "tm_set_ffn_one_launch: argument 'on' must be -1, 0 or 1, got %d", on);
+  return tm_cuda_set_ffn_one_launch_impl(on);
+}
+
 TM_API int tm_cuda_graph_begin_capture(void* stream) {
   TM_TRY(check_cuda("tm_cuda_graph_begin_capture"));
   return tm_cuda_graph_begin_capture_impl(stream);

@@ -46,8 +46,8 @@ struct Limits {
   int64_t smem_block;   // dynamic + static shared memory a block may use: min(opt-in limit, test cap)
   bool pdl;             // launch with programmatic dependent launch (TORNADO_MOE_PDL=0 turns it off)
   int cc_major;         // compute capability (the copy engine's bulk copies need 9)
-  bool ffn_one_launch;  // tm_router_experts_ffn's persistent launch where it applies (TORNADO_MOE_FFN_ONE_LAUNCH=0:
-                        // its two-launch form, e.g. to measure one against the other)
+  bool ffn_one_launch;  // tm_router_experts_ffn's persistent launch where it applies (tm_set_ffn_one_launch, or
+                        // TORNADO_MOE_FFN_ONE_LAUNCH=1; off by default: slower on the H200)
 };
 int get_limits(Limits* out);
 

@@ -33,6 +33,8 @@ DeviceInfo g_info[kMaxDevices];
 // Test caps (0 = the device's own value).
 std::atomic<int64_t> g_cap_smem{0};
 std::atomic<int> g_cap_grid_yz{0};
+// tm_set_ffn_one_launch's choice (-1: the environment's).
+std::atomic<int> g_ffn_one_launch{-1};
 
 int device_info(int device, DeviceInfo* out) {
   if (device < 0 || device >= kMaxDevices)
@@ -95,16 +97,19 @@ int get_limits(Limits* out) {
   if (cap_smem > 0 && cap_smem < smem) smem = cap_smem;
   out->smem_block = smem;
   // Read once per process: TORNADO_MOE_PDL=0 launches every kernel without programmatic dependent launch;
-  // TORNADO_MOE_FFN_ONE_LAUNCH=0 runs tm_router_experts_ffn as its two launches.
-  auto env_on = [](const char* name) {
-    const char* v = std::getenv(name);
+  // TORNADO_MOE_FFN_ONE_LAUNCH=1 lets tm_router_experts_ffn run as one persistent launch (else its two).
+  static const bool pdl = [] {
+    const char* v = std::getenv("TORNADO_MOE_PDL");
     return v == nullptr || std::strcmp(v, "0") != 0;
-  };
-  static const bool pdl = env_on("TORNADO_MOE_PDL");
-  static const bool ffn_one_launch = env_on("TORNADO_MOE_FFN_ONE_LAUNCH");
+  }();
+  static const bool ffn_env = [] {
+    const char* v = std::getenv("TORNADO_MOE_FFN_ONE_LAUNCH");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  const int ffn_set = g_ffn_one_launch.load(std::memory_order_relaxed);
   out->pdl = pdl;
   out->cc_major = info.cc_major;
-  out->ffn_one_launch = ffn_one_launch;
+  out->ffn_one_launch = ffn_set >= 0 ? ffn_set == 1 : ffn_env;
   return TM_OK;
 }
 
@@ -205,6 +210,11 @@ int tm_cuda_device_props_impl(tm_device_props* out) {
 int tm_cuda_set_launch_limits_impl(int64_t smem_per_block, int max_grid_yz) {
   g_cap_smem.store(smem_per_block, std::memory_order_relaxed);
   g_cap_grid_yz.store(max_grid_yz, std::memory_order_relaxed);
+  return TM_OK;
+}
+
+int tm_cuda_set_ffn_one_launch_impl(int on) {
+  g_ffn_one_launch.store(on, std::memory_order_relaxed);
   return TM_OK;
 }
 

@@ -505,7 +505,8 @@ __global__ void __launch_bounds__(kFfnThreads, 1) router_experts_ffn_kernel(cons
 // The persistent launch's plan for these shapes on the device of `lim`; false where it does not apply: another
 // format, a prefill, more slots or experts than it packs or ranks, rows whose chunks are not whole 16-byte copies
 // (gate/up and shared-down rows of a multiple of 256 values; routed down rows of a multiple of 128, copied in
-// pairs), no bulk copies (compute capability < 9), too little shared memory, or TORNADO_MOE_FFN_ONE_LAUNCH=0.
+// pairs), no bulk copies (compute capability < 9), too little shared memory, or not chosen (tm_set_ffn_one_launch;
+// off by default: on the H200 it measured slower than the two launches, results/NOTES.md v5).
 struct FfnPlan {
   int grid;
   uint32_t rb_h, rb_fs, rb_f, stage;

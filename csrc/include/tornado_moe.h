@@ -93,6 +93,11 @@ TM_API int tm_cuda_device_props(tm_device_props* out);
 /* Test hook: cap the opt-in shared memory and grid y/z limits the CUDA launchers plan with (0 = device value),
  * so that tests can force the chunked/looped launch paths on small problems. */
 TM_API int tm_set_launch_limits_for_testing(int64_t smem_per_block, int max_grid_yz);
+/* Whether tm_router_experts_ffn may run as its persistent launch where that applies (1) or always as its two
+ * launches (0); -1 restores the process default, the environment's TORNADO_MOE_FFN_ONE_LAUNCH=1 (on) or
+ * anything else (off: on the H200 the one launch measured slower, results/NOTES.md v5). Graphs built after the
+ * call follow it (tm_router_experts_ffn_launches). */
+TM_API int tm_set_ffn_one_launch(int on);
 /* Whole-stream CUDA graphs for callers without their own graph API (the Java route). */
 TM_API int tm_cuda_graph_begin_capture(void* stream);
 TM_API int tm_cuda_graph_end_capture(void* stream, void** graph_exec_out);
@@ -258,12 +263,12 @@ static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int6
  *                              n_tokens, top_k, n_experts, hidden, ffn)
  * (every output of both: h, ids, weights, act_sh, gate_sh, act and x). w_down_sh [hidden, ffn_sh] and w_down
  * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts)], as
- * tm_router_experts_gate_up's. On CUDA a decode step (n_tokens = 1) of TM_Q8_0_TILED weights with hidden and
- * ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 runs as ONE persistent launch on a
- * device with the copy engine's bulk copies (compute capability 9; one block per multiprocessor, whose blocks wait
- * for each other: the device must not be shared with other work that holds multiprocessors, as under MPS limits);
- * elsewhere, or with TORNADO_MOE_FFN_ONE_LAUNCH=0, as the two launches above. tm_router_experts_ffn_launches says
- * which. */
+ * tm_router_experts_gate_up's. When chosen (tm_set_ffn_one_launch or TORNADO_MOE_FFN_ONE_LAUNCH=1; off by
+ * default, as it measured slower on the H200), CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED weights with
+ * hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE persistent
+ * launch on a device with the copy engine's bulk copies (compute capability 9; one block per multiprocessor, whose
+ * blocks wait for each other: the device must not be shared with other work that holds multiprocessors, as under
+ * MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says which. */
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
                                  const float* w_router, int32_t* ids, float* weights, int qtype,
                                  const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,

@@ -86,6 +86,7 @@ int tm_cuda_compiled_impl(void) { return 0; }
 int tm_cuda_device_count_impl(void) { return 0; }
 int tm_cuda_device_props_impl(tm_device_props*) { return no_cuda("tm_cuda_device_props"); }
 int tm_cuda_set_launch_limits_impl(int64_t, int) { return no_cuda("tm_set_launch_limits_for_testing"); }
+int tm_cuda_set_ffn_one_launch_impl(int) { return TM_OK; }  // nothing to choose without CUDA
 int tm_cuda_graph_begin_capture_impl(void*) { return no_cuda("tm_cuda_graph_begin_capture"); }
 int tm_cuda_graph_end_capture_impl(void*, void**) { return no_cuda("tm_cuda_graph_end_capture"); }
 int tm_cuda_graph_launch_impl(void*, void*) { return no_cuda("tm_cuda_graph_launch"); }

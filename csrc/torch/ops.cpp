@@ -448,6 +448,11 @@ void set_launch_limits_for_testing(int64_t smem_per_block, int64_t max_grid_yz) 
               num(status), ")");
 }
 
+void set_ffn_one_launch(int64_t on) {
+  const int status = tm_set_ffn_one_launch(static_cast<int>(on));
+  TORCH_CHECK(status == TM_OK, "tornado_moe.set_ffn_one_launch: ", tm_last_error(), " (status ", num(status), ")");
+}
+
 std::string version() { return tm_version(); }
 
 }  // namespace
@@ -502,6 +507,7 @@ TORCH_LIBRARY(tornado_moe, m) {
         "int l2_bytes, str name)",
         &cuda_device_props);
   m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
+  m.def("set_ffn_one_launch(int on) -> ()", &set_ffn_one_launch);
   m.def("version() -> str", &version);
   m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
   m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts) -> int", &router_experts_ffn_scratch_words);

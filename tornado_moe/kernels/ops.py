@@ -44,6 +44,7 @@ __all__ = [
     "router_gate_up_scratch_words",
     "router_topk",
     "sample",
+    "set_ffn_one_launch",
     "set_launch_limits_for_testing",
     "stream_of",
     "u64_as_int64",
@@ -519,6 +520,13 @@ def cuda_device_count() -> int:
 def set_launch_limits_for_testing(smem_per_block: int = 0, max_grid_yz: int = 0) -> None:
     """Caps the shared memory and grid y/z the CUDA launchers plan with (0, 0 restores the device values)."""
     _ops().set_launch_limits_for_testing(smem_per_block, max_grid_yz)
+
+
+def set_ffn_one_launch(on: bool | None) -> None:
+    """Whether router_experts_ffn may run as one persistent launch where it applies (True) or always as its
+    two launches (False); None restores the default (the environment's ``TORNADO_MOE_FFN_ONE_LAUNCH=1``, else
+    off: slower than the two launches on the H200). Graphs built afterwards follow it."""
+    _ops().set_ffn_one_launch(-1 if on is None else int(bool(on)))
 
 
 def native_version() -> str:
