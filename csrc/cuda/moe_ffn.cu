@@ -7,29 +7,34 @@
  * bandwidth). Each launch is one to three waves of short blocks that pay their own round trips, the routed blocks
  * cannot stream before the router's ids, and the down's blocks wait for the gate-up grid's end (results/NOTES.md,
  * lessons 43-62). Here the weights stream through a ring of shared memory by the copy engine, independently of the
- * dependencies between the steps: those only hold back the arithmetic, never the memory system.
+ * dependencies between the steps, which hold back only the arithmetic. Measured on the H200 it is slower than the
+ * two launches (results/NOTES.md v5, lessons 63-66: the router's loads queue behind the weight stream), so it runs
+ * only when chosen (tm_set_ffn_one_launch).
  *
  * The launch: one block per multiprocessor (all co-resident: the blocks wait for each other), 18 warps:
  *   warps 0-15  consumers, two groups of 8; group g takes the block's chunks q with q % 2 == g, a job per warp;
- *   warp 16     producer: its lane 0 copies the block's chunks, in order, into kFfnStages stages of shared memory
- *               (cp.async.bulk, completion on a transaction barrier per stage, a second barrier per stage for the
- *               group that frees it). It starts at the kernel's first instruction: weights are immutable, so under
- *               programmatic dependent launch (common.cuh) the first chunks land while the previous kernel runs;
- *               the routed chunks follow once the ids are out;
- *   warp 17     router: the router rows (and the shared-expert gate row) block b, b + G, ...; block 0's then
- *               runs the top-k.
- * A block's chunks, in this order (a function of block, grid and shapes that producer and consumers compute alike):
+ *   warp 16     producer: its lane 0 copies the block's first router row, then the block's chunks, in order, into
+ *               kFfnStages stages of shared memory (cp.async.bulk, completion on a transaction barrier per stage, a
+ *               second barrier per stage that the consuming group's warps free), at most kFfnInFlight of them in
+ *               flight. It starts at the kernel's first instruction: weights are immutable, so under programmatic
+ *               dependent launch (common.cuh) the first copies land while the previous kernel runs; the routed
+ *               chunks follow once the block's router warp has the ids;
+ *   warp 17     router: the router rows (and the shared-expert gate row) b, b + G, ..., then the block's own top-k
+ *               of every logit, then it watches the other blocks' flags for the consumers.
+ * A block's chunks, by phase (a function of block, grid and shapes that producer and consumers compute alike;
+ * ring order SG, RG, SD, RD, or with TM_FFN_SD_FIRST=1 SG, SD, RG, RD):
  *   SG  the shared expert's gate-up tiles of 8 row pairs: tile c of ceil(ffn_sh / 8) is block c % G's;
- *   SD  the shared down's rows of the block's output rows [row0, row0 + rows) (row pairs spread evenly), 8 a chunk;
  *   RG  routed gate-up tiles (slot, 8 row pairs of expert ids[slot]): tile c is block (c + ceil(ffn_sh / 8)) % G's
  *       (a block with one SG tile more has one RG tile less);
+ *   SD  the shared down's rows of the block's output rows [row0, row0 + rows) (row pairs spread evenly), 8 a chunk;
  *   RD  the routed down's rows of the block's output rows, per slot, 16 a chunk (a row pair a warp).
  * Dependencies between blocks are 64-bit words tagged with the call's epoch (common.cuh), so nothing is cleared:
  *   h       every block normalises x itself on its first 8 warps (norm.cuh's tree: the h of every other kernel);
- *   logits  one tagged word per router row; block 0's router warp polls them, runs router.cuh's top-k, stores the
- *           slot weights as tagged words and then the ids packed into the ids word (the gate's sigmoid likewise);
- *   act_sh  a group releases its word (st.release) once its SG chunks are done; SD waits for all 2 G of them;
- *   act     the same, RG -> RD; RG (and the producer before its first routed chunk) read the ids word.
+ *   logits  one tagged word per router row; every block's router warp polls them all and runs router.cuh's top-k
+ *           (the same bits in every block; block 0 writes ids and weights out); the gate's sigmoid likewise;
+ *   act_sh  a group releases its word (st.release) once its SG chunks are stored; SD starts once the router warp
+ *           has seen all 2 G words (it arrives on an mbarrier the consumers wait on);
+ *   act     the same, RG -> RD.
  * Finally each block adds its rows' terms into x in the order of the two launches: x + shared, then slot 0, 1, ...
  * Every dot product is qdot.cuh's warp_dot on the same rows (read from shared memory: its SM reader) and every
  * epilogue the same rounded operations as moe.cu's kernels, so every output is theirs bit for bit.
@@ -67,7 +72,7 @@ constexpr int kTileRows = 8;   // SG / RG chunk: a row pair a warp
 constexpr int kSdRows = TM_FFN_SD_ROWS;  // SD chunk: a row a warp
 static_assert(kSdRows >= 1 && kSdRows <= 8, "a shared-down row a consumer warp of a group");
 constexpr int kRdRows = 16;    // RD chunk: a row pair a warp
-constexpr int kFfnMaxSlots = 4;                  // ids packed in one word
+constexpr int kFfnMaxSlots = 4;                  // ids packed in one word (for the producer)
 constexpr int kFfnMaxExperts = 64;               // router_topk_warp
 constexpr int kFfnMaxBlocks = TM_FFN_MAX_BLOCKS;  // act flags in the scratch
 // Named barriers (0 is __syncthreads): 1, 2 a group's 8 warps (1 also the norm's); 3 the consumers and the router
