@@ -60,13 +60,6 @@ int tm_set_error(int status, const char* fmt, ...);
                                      const void* w_gate, const void* w_up, float* act,                      \
                                      int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,    \
                                      int normalize, int64_t ffn, int32_t* scratch, void* stream);           \
-  int PREFIX##router_experts_ffn(float* x, const float* norm_w, float eps, float* h,                    \
-                                 const float* w_router, int32_t* ids, float* weights, int qtype,            \
-                                 const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh,         \
-                                 float* act_sh, int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,   \
-                                 const void* w_gate, const void* w_up, const void* w_down, float* act,      \
-                                 int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,        \
-                                 int normalize, int64_t ffn, int32_t* scratch, void* stream);               \
   int PREFIX##moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,         \
                                   const float* weights, const float* gate_inp, const float* h, float* x,      \
                                   int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,     \
@@ -97,7 +90,16 @@ int tm_cuda_graph_end_capture_impl(void* stream, void** graph_exec_out);
 int tm_cuda_graph_launch_impl(void* graph_exec, void* stream);
 int tm_cuda_graph_destroy_impl(void* graph_exec);
 int tm_cuda_stream_synchronize_impl(void* stream);
-/* 1 or 2: the launches tm_cuda_router_experts_ffn makes for these shapes on the current device (negative: error). */
+/* tm_router_experts_ffn's persistent launch; TM_NOT_APPLICABLE (nothing launched) where it does not apply or is
+ * not chosen: the caller (dispatch.cpp) then makes the two calls it stands for. */
+#define TM_NOT_APPLICABLE 1
+int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float eps, float* h, const float* w_router,
+                               int32_t* ids, float* weights, int qtype, const void* w_gate_sh, const void* w_up_sh,
+                               const void* w_down_sh, float* act_sh, int64_t ffn_sh, const float* gate_inp_sh,
+                               float* gate_sh, const void* w_gate, const void* w_up, const void* w_down, float* act,
+                               int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
+                               int64_t ffn, int32_t* scratch, void* stream);
+/* 1 or 2: the launches tm_router_experts_ffn makes for these shapes on the current device (negative: error). */
 int tm_cuda_router_experts_ffn_launches(int qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
                                         int64_t hidden, int64_t ffn_sh, int64_t ffn);
 

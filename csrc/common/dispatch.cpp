@@ -356,15 +356,13 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                     n_tokens, top_k, n_experts, ffn, hidden, stream);
 }
 
-TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
-                                     const float* w_router, int32_t* ids, float* weights, int qtype,
-                                     const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
-                                     const float* gate_inp_sh, float* gate_sh, const void* w_gate,
-                                     const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
-                                     int64_t hidden, int64_t top_k, int normalize, int64_t ffn, int32_t* scratch,
-                                     void* stream) {
-  const char* fn = "tm_router_experts_gate_up";
-  TM_TRY(check_device(fn, device));
+// The arguments of tm_router_experts_gate_up (which tm_router_experts_ffn takes too).
+int check_router_experts_gate_up_args(const char* fn, const float* x, const float* norm_w, float eps, float* h,
+                                      const float* w_router, int32_t* ids, float* weights, int qtype,
+                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
+                                      const float* gate_inp_sh, float* gate_sh, const void* w_gate,
+                                      const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
+                                      int64_t hidden, int64_t top_k, int64_t ffn, int32_t* scratch) {
   TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
   TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
   TM_TRY(check_gate_up_args(fn, qtype, "w_gate_sh", w_gate_sh, "w_up_sh", w_up_sh, h, "act_sh", act_sh, n_tokens, 1,
@@ -374,6 +372,21 @@ TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const flo
   TM_TRY(check_ptr(fn, "scratch", scratch));
   if ((gate_inp_sh == nullptr) != (gate_sh == nullptr))
     return tm_set_error(kInvalid, "%s: 'gate_inp_sh' and 'gate_sh' go together (the gate row and its output)", fn);
+  return TM_OK;
+}
+
+TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
+                                     const float* w_router, int32_t* ids, float* weights, int qtype,
+                                     const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
+                                     const float* gate_inp_sh, float* gate_sh, const void* w_gate,
+                                     const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
+                                     int64_t hidden, int64_t top_k, int normalize, int64_t ffn, int32_t* scratch,
+                                     void* stream) {
+  const char* fn = "tm_router_experts_gate_up";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_router_experts_gate_up_args(fn, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                                           act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
+                                           n_experts, hidden, top_k, ffn, scratch));
   return TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
                     top_k, normalize ? 1 : 0, ffn, scratch, stream);
@@ -388,22 +401,27 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
                                  int32_t* scratch, void* stream) {
   const char* fn = "tm_router_experts_ffn";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "h", h, n_tokens, "hidden", hidden, eps));
-  TM_TRY(check_router_args(fn, w_router, "h", h, ids, weights, n_tokens, n_experts, hidden, top_k));
-  TM_TRY(check_gate_up_args(fn, qtype, "w_gate_sh", w_gate_sh, "w_up_sh", w_up_sh, h, "act_sh", act_sh, n_tokens, 1,
-                            0, 1, 1, "ffn_sh", ffn_sh, hidden));
-  TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, 0, top_k,
-                            n_experts, "ffn", ffn, hidden));
+  TM_TRY(check_router_experts_gate_up_args(fn, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
+                                           act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
+                                           n_experts, hidden, top_k, ffn, scratch));
   TM_TRY(check_down_args(fn, qtype, "w_down_sh", w_down_sh, "act_sh", act_sh, "gate_inp_sh", nullptr, h, x,
                          n_tokens, 1, 0, 1, 1, hidden, "ffn_sh", ffn_sh));
   TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
                          0, top_k, n_experts, hidden, "ffn", ffn));
-  TM_TRY(check_ptr(fn, "scratch", scratch));
-  if ((gate_inp_sh == nullptr) != (gate_sh == nullptr))
-    return tm_set_error(kInvalid, "%s: 'gate_inp_sh' and 'gate_sh' go together (the gate row and its output)", fn);
-  return TM_FORWARD(router_experts_ffn, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
-                    w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act, n_tokens, n_experts,
-                    hidden, top_k, normalize ? 1 : 0, ffn, scratch, stream);
+  const int norm = normalize ? 1 : 0;
+  if (device == TM_DEVICE_CUDA) {  // the persistent launch where it applies
+    const int status = tm_cuda_router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
+                                                  w_up_sh, w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate,
+                                                  w_up, w_down, act, n_tokens, n_experts, hidden, top_k, norm, ffn,
+                                                  scratch, stream);
+    if (status != TM_NOT_APPLICABLE) return status;
+  }
+  // the two calls it stands for, on either backend
+  TM_TRY(TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
+                    w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
+                    top_k, norm, ffn, scratch, stream));
+  return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act,
+                    ids, weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
 }
 
 TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,

@@ -61,21 +61,6 @@ extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w
                                 top_k, n_experts, ffn, hidden, stream);
 }
 
-// The two calls tm_router_experts_ffn stands for.
-extern "C" int tm_cpu_router_experts_ffn(float* x, const float* norm_w, float eps, float* h,
-                                         const float* w_router, int32_t* ids, float* weights, int qtype,
-                                         const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh,
-                                         float* act_sh, int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
-                                         const void* w_gate, const void* w_up, const void* w_down, float* act,
-                                         int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,
-                                         int normalize, int64_t ffn, int32_t* scratch, void* stream) {
-  TM_TRY(tm_cpu_router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh, act_sh,
-                                       ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
-                                       top_k, normalize, ffn, scratch, stream));
-  return tm_cpu_experts_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act, ids, weights,
-                                        h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
-}
-
 extern "C" int tm_cpu_rmsnorm_router_topk(const float* x, const float* norm_w, float eps, float* h,
                                           const float* w_router, int32_t* ids, float* weights, int64_t n_tokens,
                                           int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,

@@ -545,8 +545,8 @@ bool ffn_plan(const Limits& lim, int qtype, int64_t n_tokens, int64_t n_experts,
 
 using namespace tm_cuda;
 
-// The persistent launch where it applies (shapes, formats, alignment, the device), else the two launches it
-// stands for; both give the same bits.
+// The persistent launch where it applies (shapes, formats, alignment, the device, chosen), else TM_NOT_APPLICABLE:
+// dispatch.cpp then makes the two calls it stands for (the same bits).
 extern "C" int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float eps, float* h,
                                           const float* w_router, int32_t* ids, float* weights, int qtype,
                                           const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh,
@@ -563,13 +563,7 @@ extern "C" int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float e
                         w_gate, w_up, w_down, static_cast<const void*>(act_sh), static_cast<const void*>(act),
                         static_cast<const void*>(w_router), static_cast<const void*>(gate_inp_sh)})
     fits = fits && aligned(p, 16);  // the copies' alignment (a null gate row is)
-  if (!fits) {
-    TM_TRY(tm_cuda_router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
-                                          act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
-                                          n_experts, hidden, top_k, normalize, ffn, scratch, stream));
-    return tm_cuda_experts_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act, ids,
-                                           weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
-  }
+  if (!fits) return TM_NOT_APPLICABLE;
   FfnArgs a{};
   a.x = x;
   a.norm_w = norm_w;

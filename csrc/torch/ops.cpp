@@ -218,7 +218,7 @@ void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, con
 
 // The tensors of the fused RMSNorm + router (rmsnorm_router_topk and router_experts_gate_up).
 struct RouterPtrs {
-  const float* x;
+  float* x;  // written in place by router_experts_ffn
   const float* norm_w;
   float* h;
   const float* w_router;
@@ -228,7 +228,7 @@ struct RouterPtrs {
 RouterPtrs router_ptrs(Args& a, const Tensor& x, const Tensor& norm_w, const Tensor& h, const Tensor& w_router,
                        const Tensor& ids, const Tensor& weights, int64_t n_tokens, int64_t n_experts, int64_t hidden,
                        int64_t top_k) {
-  return RouterPtrs{a.data<const float>(x, "x", kF32, n_tokens * hidden),
+  return RouterPtrs{a.data<float>(x, "x", kF32, n_tokens * hidden),
                     a.data<const float>(norm_w, "norm_w", kF32, hidden),
                     a.data<float>(h, "h", kF32, n_tokens * hidden),
                     a.data<const float>(w_router, "w_router", kF32, n_experts * hidden),
@@ -332,13 +332,12 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
                                                    n_tokens, top_k, n_experts, ffn, hidden);
   const void* ds_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const void* d_p = a.weights(w_down, "w_down", qtype, n_experts * hidden * row_bytes(qtype, ffn));
-  float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);  // router_ptrs checked it as the norm's input
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p =
       a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts));
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_router_experts_ffn(a.device(), x_p, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
+  a.check(tm_router_experts_ffn(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
                                 static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, ds_p, g.act_sh, ffn_sh, gi_p, gs_p,
                                 g.w_gate, g.w_up, d_p, g.act, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
                                 ffn, sc_p, as_stream(stream)));
