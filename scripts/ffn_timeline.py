@@ -17,7 +17,6 @@ Through scripts/device_run.sh: TUNING="tl:-DTM_FFN_TIMELINE=1" FFN_TIMELINE=tl S
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
@@ -25,7 +24,7 @@ import sys
 
 import numpy as np
 import torch
-from rgu_timeline import decode_step_stamps, timeline_reader
+from rgu_timeline import decode_step_parser, decode_step_stamps, timeline_reader
 
 from tornado_moe.tools.run_info import run_info
 
@@ -58,12 +57,7 @@ def summarize(rows: np.ndarray) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="GGUF model with routed and shared experts (the synth)")
-    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length before the measured steps")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps, one timeline sample after each")
-    ap.add_argument("--json", help="write every sample's summary here")
-    args = ap.parse_args(argv)
+    args = decode_step_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     fn = timeline_reader("ffn")

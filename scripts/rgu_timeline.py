@@ -115,12 +115,18 @@ def decode_step_stamps(model: str, prompt_tokens: int, steps: int, read: Callabl
         engine.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def decode_step_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a timeline script: the model, the prompt, the measured steps, a JSON report."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True, help="GGUF model with routed and shared experts (the synth)")
     ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length before the measured steps")
     ap.add_argument("--steps", type=int, default=8, help="decode steps, one timeline sample after each")
     ap.add_argument("--json", help="write every sample's summary here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = decode_step_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--raw", help="write every sample's rows here (.npz, one array per step)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
