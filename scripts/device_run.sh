@@ -15,7 +15,7 @@
 # profile each benched one); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
 # -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain); FFN_TIMELINE=<name> (the
-# same for router_experts_ffn: scripts/ffn_timeline.py on a build with -DTM_FFN_TIMELINE=1);
+# same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with -DTM_FFN_TIMELINE=1);
 # PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
@@ -161,11 +161,14 @@ if want tuning && [ -n "${TIMELINE:-}" ]; then  # TIMELINE=<tuning name built wi
     $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" --raw "$OUT/timeline_rows.npz" > "$OUT/timeline.log" 2>&1)
   cat "$OUT/timeline.log"
 fi
-if want tuning && [ -n "${FFN_TIMELINE:-}" ]; then  # FFN_TIMELINE=<tuning name built with -DTM_FFN_TIMELINE=1>
-  stamp "router_experts_ffn timeline (tuning build $FFN_TIMELINE)"
-  (cd /tmp/tune-$FFN_TIMELINE && PYTHONPATH=/tmp/site:/tmp/tune-$FFN_TIMELINE timeout -k 10 "$(left 60)" \
-    $PY "$ROOT/scripts/ffn_timeline.py" --model "$MODEL" --json "$OUT/ffn_timeline.json" > "$OUT/ffn_timeline.log" 2>&1)
-  cat "$OUT/ffn_timeline.log"
+if want tuning && [ -n "${FFN_TIMELINE:-}" ]; then  # FFN_TIMELINE=<tuning names built with -DTM_FFN_TIMELINE=1>
+  for name in ${FFN_TIMELINE//,/ }; do
+    stamp "router_experts_ffn timeline (tuning build $name)"
+    (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" \
+      $PY "$ROOT/scripts/ffn_timeline.py" --model "$MODEL" --json "$OUT/ffn_timeline_$name.json" \
+      > "$OUT/ffn_timeline_$name.log" 2>&1)
+    cat "$OUT/ffn_timeline_$name.log"
+  done
 fi
 if want ncu; then  # NCU_TREE=<tuning name>: profile that tuning build instead of this tree
   stamp "ncu (PDL off${NCU_TREE:+, tuning build $NCU_TREE})"

@@ -226,6 +226,12 @@ __device__ __forceinline__ void stamp_chunk(int q, int what) {
   if (q < kFfnChunksStamped) ffn_stamp(kEvChunk0 + 3 * q + what);
 }
 
+// A measurement knob (wrong results, timing only): the routed chunks stream without waiting for the router's
+// ids, which bounds what an earlier router could gain.
+#ifndef TM_FFN_IDS_PROBE
+#define TM_FFN_IDS_PROBE 0
+#endif
+
 // A word of shared memory another role of the block sets (volatile: re-read at every poll), once nonzero.
 __device__ __forceinline__ uint32_t wait_set(const uint32_t* word) {
   uint32_t v;
@@ -272,8 +278,12 @@ __device__ __forceinline__ void ffn_producer(const FfnArgs& a, const BlockWork& 
   for (int p = 0; p < 4; ++p) {
     const int kind = phase_kind(p);
     if (kind == kRG && w.n[kRG] + w.n[kRD] > 0) {  // routed rows: once the block's router warp has the ids
+#if TM_FFN_IDS_PROBE
+      ids = 0x03020100u;  // timing only: experts 0, 1, 2, 3 at once, as if the ids were known at the start
+#else
       wait_set(&sm.ids_ready);
       ids = *reinterpret_cast<volatile uint32_t*>(&sm.ids_packed);
+#endif
       ffn_stamp(kEvIds);
     }
     for (int i = 0; i < w.n[kind]; ++i, ++q) {
