@@ -180,11 +180,11 @@ def test_cuda_graph_replay_is_bitwise_eager(tiny, fuse: bool) -> None:
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_ffn_in_one_launch_is_bitwise_the_two(tiny) -> None:
     """The tiny model's decode graphs with the FFN half in one persistent launch (set_ffn_one_launch; 4
-    launches a layer where the GPU has bulk copies) give the tokens and logits of the default graphs (5), bit
-    for bit."""
+    launches a layer where the GPU has bulk copies) give the tokens and logits of the two-launch graphs (5),
+    bit for bit."""
     from tornado_moe import kernels as K
 
-    def run(one_launch: bool | None) -> tuple[list[int], bytes, int]:
+    def run(one_launch: bool) -> tuple[list[int], bytes, int]:
         K.set_ffn_one_launch(one_launch)
         try:
             eng = Engine(tiny, EngineOptions(device="cuda", cuda_graphs=True))
@@ -194,7 +194,7 @@ def test_ffn_in_one_launch_is_bitwise_the_two(tiny) -> None:
         toks, _ = eng.generate(PROMPT, 12, on_logits=lambda r: rows.append(r.cpu().numpy().copy()))
         return toks, np.stack(rows).tobytes(), eng.graphs[1].launch_count
 
-    toks, logits, launches = run(None)
+    toks, logits, launches = run(False)  # explicit: the environment may change the default
     toks1, logits1, launches1 = run(True)
     assert toks1 == toks and logits1 == logits
     assert launches1 == launches - (1 if torch.cuda.get_device_capability()[0] >= 9 else 0)

@@ -489,9 +489,10 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
         assert K.router_experts_ffn_launches(device, Q8_0_TILED, n_tokens, n_experts, top_k, hidden, ffn_sh,
                                              ffn) == (1 if device == "cpu" or one else 2)
 
-    ffn_calls(False)  # the default: the two launches
-    K.set_ffn_one_launch(True)
-    try:
+    try:  # chosen explicitly: TORNADO_MOE_FFN_ONE_LAUNCH=1 in the environment changes the default
+        K.set_ffn_one_launch(False)
+        ffn_calls(False)  # the two launches
+        K.set_ffn_one_launch(True)
         ffn_calls(True)  # the persistent launch where it applies
     finally:
         K.set_ffn_one_launch(None)
