@@ -8,10 +8,7 @@
  * into several launches.
  * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot + bias, y = y + v, each a
  * rounded add as in the CPU kernel. A (token, row) value is bitwise the same for any n_tokens and any chunking.
- * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol); a one-row, one-token warp on
- * 16-byte tiled rows (attn_output in decode) has its row copied into shared memory by the copy engine instead and
- * reads it there (qdot.cuh's SM reader: the same bits), so after pdl_wait only the activations are a round trip
- * away: its predecessor (attention) leaves most multiprocessors idle for microseconds, enough for every copy.
+ * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol).
  */
 #include "qdot.cuh"
 
@@ -36,37 +33,19 @@ constexpr int matmul_min_blocks() {
   return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
 }
 
-// Whether the one-row, one-token matmul reads its rows from copies in shared memory (a measurement knob: 0
-// prefetches them into L2 instead, the same bits).
-#ifndef TM_MATMUL_ROW_IN_SMEM
-#define TM_MATMUL_ROW_IN_SMEM 1
-#endif
-template <Fmt F, int NR, int NT>
-constexpr bool matmul_row_copy() {
-  return TM_MATMUL_ROW_IN_SMEM && F == Fmt::Q8_0T16 && NR == 1 && NT == 1;
-}
-
-// C: matmul_row_copy and the copies fit shared memory.
-template <Fmt F, int NR, int NT, bool V, bool C>
+template <Fmt F, int NR, int NT, bool V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
                   int64_t tile0) {
-  extern __shared__ __align__(16) uint8_t matmul_rows[];  // (C) a row a warp
-  __shared__ uint64_t row_landed[kWarpsPerBlock];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
   const uint8_t* wr[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) wr[i] = w + (r0 + i < rows ? r0 + i : rows - 1) * row_bytes;  // tail: repeat a row
-  static_assert(!C || matmul_row_copy<F, NR, NT>(), "row copies: one 16-byte tiled row, one token");
-  if constexpr (C) {
-    if (r0 < rows && lane == 0)
-      bulk_row_to_smem(matmul_rows + warp * row_bytes, wr[0], static_cast<uint32_t>(row_bytes), &row_landed[warp]);
-  } else if (r0 < rows && tile0 + blockIdx.y == 0) {
+  if (r0 < rows && tile0 + blockIdx.y == 0)
 #pragma unroll
     for (int i = 0; i < NR; ++i) prefetch_row_l2(wr[i], row_bytes, lane);
-  }
   pdl_begin();
   if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
   const int64_t t0 = (tile0 + blockIdx.y) * NT;
@@ -82,14 +61,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     const float b = owner && bias != nullptr ? ld_ahead(bias + r0) : 0.0f;
     const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
     float out[1][1];
-    if constexpr (C) {
-      __syncwarp();  // lane 0's barrier init before the other lanes poll it
-      bulk_wait(&row_landed[warp]);
-      const uint8_t* ws[1] = {matmul_rows + warp * row_bytes};
-      warp_dot<F, 1, 1, true, V, true>(ws, xs, nblocks, out);
-    } else {
-      warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, out);
-    }
+    warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, out);
     if (!owner) return;
     float v = out[0][0];
     if (bias != nullptr) v = __fadd_rn(v, b);
@@ -121,21 +93,12 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
   if (gx > lim.max_grid_x)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "tm_matmul: rows = %lld needs more blocks than the grid allows",
                         static_cast<long long>(rows));
-  // (tiled 16-byte rows: whole 16-byte copies; rows too long for shared memory take the L2 prefetch)
-  const int64_t copies = kWarpsPerBlock * row_bytes;
-  auto run = [&](auto kernel, int64_t smem) -> int {
-    if (smem > 0) TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "tm_matmul"));
-    for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
-      const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
-      TM_TRY(launch(lim, "tm_matmul", kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                    dim3(kWarpsPerBlock * 32), static_cast<size_t>(smem), s, w, x, bias, y, n_tokens, rows, cols,
-                    row_bytes, nblocks, accumulate, y0));
-    }
-    return TM_OK;
-  };
-  if constexpr (matmul_row_copy<F, NR, NT>())
-    if (copies <= lim.smem_block) return run(matmul_kernel<F, NR, NT, V, true>, copies);
-  return run(matmul_kernel<F, NR, NT, V, false>, 0);
+  for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
+    const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
+    TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V>,
+                         dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kWarpsPerBlock * 32), 0, s,
+                         w, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, y0));
+  }
   return TM_OK;
 }
 
