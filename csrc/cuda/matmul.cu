@@ -33,10 +33,6 @@ constexpr int matmul_min_blocks() {
   return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
 }
 
-#ifndef TM_MATMUL_ROW_PREFETCH
-#define TM_MATMUL_ROW_PREFETCH 1
-#endif
-
 template <Fmt F, int NR, int NT, bool V>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
@@ -47,8 +43,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   const uint8_t* wr[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) wr[i] = w + (r0 + i < rows ? r0 + i : rows - 1) * row_bytes;  // tail: repeat a row
-  // (a measurement knob for the one-row, one-token instantiation: TM_MATMUL_ROW_PREFETCH=0 leaves it out)
-  if ((TM_MATMUL_ROW_PREFETCH || NR * NT != 1) && r0 < rows && tile0 + blockIdx.y == 0)
+  if (r0 < rows && tile0 + blockIdx.y == 0)
 #pragma unroll
     for (int i = 0; i < NR; ++i) prefetch_row_l2(wr[i], row_bytes, lane);
   pdl_begin();
