@@ -116,6 +116,13 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// Barrier `id` (1-15; 0 is __syncthreads) of the kThreads threads (whole warps) that reach it: a block whose warps
+// have different roles synchronises each role's warps alone.
+template <int kThreads>
+__device__ __forceinline__ void named_barrier(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
 // Before pdl_wait, the value a small device word (the decode position) holds now: a guess only, since the previous
 // kernel may still rewrite it. A kernel uses it for work it checks after pdl_wait (hints, or results it recomputes
 // when the word moved), never for a result as it stands. Volatile: the load is issued where it is written.

@@ -80,11 +80,6 @@ constexpr int kFfnMaxBlocks = TM_FFN_MAX_BLOCKS;  // act flags in the scratch
 constexpr int kBarH = 3, kBarConsumers = 4;
 enum ChunkKind : int { kSG, kSD, kRG, kRD };
 
-template <int kThreads>
-__device__ __forceinline__ void named_barrier(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
-}
-
 // The scratch, in 64-bit words: word 0 is the ticket word of tm_router_experts_gate_up (the same epoch counter, so
 // that the two kernels may share a scratch: every word either of them reads carries the epoch of its call).
 struct FfnSync {

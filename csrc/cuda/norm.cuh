@@ -53,9 +53,7 @@ struct BlockBarrier {
 };
 template <int kId>
 struct NormWarpsBarrier {
-  __device__ __forceinline__ void operator()() const {
-    asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kNormThreads) : "memory");
-  }
+  __device__ __forceinline__ void operator()() const { named_barrier<kNormThreads>(kId); }
 };
 
 // inv from every thread's ss, by threads 0 .. kNormThreads - 1, with one barrier: each warp sums the 8

@@ -11,10 +11,11 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   - fused (default): ``router_experts_gate_up`` (the router, the shared expert's gate-up and all slots' in one
     launch: the shared rows stream while the router runs) and ``experts_down_accumulate`` (the shared
     expert's down, then the slots in order, in one launch): 5 launches per layer; a decode step (one token)
-    that the library can run as one persistent launch (``router_experts_ffn_launches``: tiled Q8_0 on an sm_90
-    GPU, and the CPU) has ``router_experts_ffn`` instead, both in one launch: 4; when the shared expert's
-    formats differ from the routed ones', or there is none, ``router_topk``, ``shared_expert_gate_up``,
-    ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and ``routed_experts_down_accumulate``;
+    that the library runs as one call (``router_experts_ffn_launches``: the CPU, and tiled Q8_0 on an sm_90
+    GPU where the persistent launch is chosen, ``set_ffn_one_launch``) has ``router_experts_ffn`` instead: 4;
+    when the shared expert's formats differ from the routed ones', or there is none, ``router_topk``,
+    ``shared_expert_gate_up``, ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and
+    ``routed_experts_down_accumulate``;
   - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
     ``shared_expert_down`` and ``routed_expert_down_<s>`` for every slot s.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...

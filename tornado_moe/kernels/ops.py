@@ -379,8 +379,9 @@ def router_experts_ffn(
     scratch: torch.Tensor,
 ) -> None:
     """The whole MoE FFN half of a layer: router_experts_gate_up then experts_down_accumulate (with the gate
-    factors gate_sh), bitwise. On an sm_90 GPU a decode step (``n_tokens == 1``, tiled Q8_0) is ONE persistent
-    launch whose weights stream through shared memory while the router runs (see
+    factors gate_sh), bitwise. When chosen (``set_ffn_one_launch`` or ``TORNADO_MOE_FFN_ONE_LAUNCH=1``; off
+    by default, as it measured slower on the H200), a decode step (``n_tokens == 1``, tiled Q8_0) on an sm_90
+    GPU is ONE persistent launch whose weights stream through shared memory while the router runs (see
     ``router_experts_ffn_launches``). ``scratch``: int32, ``router_experts_ffn_scratch_words(n_tokens,
     n_experts)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
     _ops().router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
@@ -398,8 +399,8 @@ def router_experts_ffn_launches(device: torch.device | str, qtype: int, n_tokens
     """Kernel launches router_experts_ffn makes for these shapes on ``device``'s current GPU: 1 (the
     persistent launch) or 2 (its two-launch form); 1 on the CPU (one call)."""
     cuda = torch.device(device).type == "cuda"
-    ops = _ops()
-    return int(ops.router_experts_ffn_launches(cuda, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn))
+    return int(_ops().router_experts_ffn_launches(cuda, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh,
+                                                  ffn))
 
 
 def moe_down_accumulate(
