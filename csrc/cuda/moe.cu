@@ -107,6 +107,11 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
+// Measurement knob: 1 has router_experts_gate_up's shared blocks ask for their rows in L2 before pdl_wait (their
+// predecessor is attn_output since the router moved into this grid); 0 does not (results/NOTES.md v4h).
+#ifndef TM_RGU_SHARED_PREFETCH
+#define TM_RGU_SHARED_PREFETCH 0
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -378,6 +383,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   stamp(0);
+#if TM_NORM_WEIGHTS_BEFORE_WAIT || TM_RGU_SHARED_PREFETCH
+  float wv[kNormHeld];  // a shared block's norm weights (load_norm_weights)
+  if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
+    if (TM_NORM_WEIGHTS_BEFORE_WAIT) load_norm_weights(ra.norm_w, hidden, wv);
+    if (TM_RGU_SHARED_PREFETCH) {  // the block's two rows a warp into L2 (weights: before pdl_wait)
+      const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);
+      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+      if (r < sh.ffn) {
+        prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
+        prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
+      }
+    }
+  }
+#endif
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -391,7 +410,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
+#if TM_NORM_WEIGHTS_BEFORE_WAIT
+    block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
+                       hbuf + router_h_floats(hidden));
+#else
     block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
+#endif
     stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
     stamp_end();

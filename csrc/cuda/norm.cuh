@@ -18,6 +18,12 @@
 
 namespace tm_cuda {
 
+// Measurement knob: 1 loads the norm weights of qkv_rope's and the fused gate-up's shared blocks before pdl_wait
+// (load_norm_weights), so that only x is read after it; 0 loads them beside x (the same bits either way).
+#ifndef TM_NORM_WEIGHTS_BEFORE_WAIT
+#define TM_NORM_WEIGHTS_BEFORE_WAIT 0
+#endif
+
 constexpr int kNormThreads = 256;
 constexpr int kNormWarps = kNormThreads / 32;
 
@@ -77,15 +83,22 @@ __device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps,
 // registers, as do their weights, loaded before the reduction so that their round trip overlaps x's. Each thread
 // writes only indices it read, after the reduction's barrier, so out may alias x. Two barriers in all (there were
 // four, and a second read of x: each is a round trip on the path of every block that normalises its input).
-template <class Barrier = BlockBarrier>
-__device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
-                                              float* copy, float* scratch, Barrier barrier = {}) {
-  float wv[kNormHeld], xv[kNormHeld];
+// The weights block_rmsnorm keeps in registers (this thread's first kNormHeld indices). They never change, so a
+// kernel may load them before pdl_wait and pass them to block_rmsnorm_held (the same bits: only the time differs).
+__device__ __forceinline__ void load_norm_weights(const float* w, int64_t dim, float (&wv)[kNormHeld]) {
 #pragma unroll
   for (int k = 0; k < kNormHeld; ++k) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
     wv[k] = i < dim ? __ldg(w + i) : 0.0f;
   }
+}
+
+// block_rmsnorm with this thread's first weights already in wv (load_norm_weights).
+template <class Barrier = BlockBarrier>
+__device__ __forceinline__ void block_rmsnorm_held(const float* x, const float* w, const float (&wv)[kNormHeld],
+                                                   int64_t dim, float eps, float* out, float* copy, float* scratch,
+                                                   Barrier barrier = {}) {
+  float xv[kNormHeld];
   const float inv = block_rms_inv(thread_sum_sq(x, dim, xv), dim, eps, scratch, barrier);
   auto put = [&](int64_t i, float v) {
     out[i] = v;
@@ -99,6 +112,14 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
   for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads)
     put(i, rms_apply(x[i], inv, __ldg(w + i)));
   barrier();
+}
+
+template <class Barrier = BlockBarrier>
+__device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int64_t dim, float eps, float* out,
+                                              float* copy, float* scratch, Barrier barrier = {}) {
+  float wv[kNormHeld];
+  load_norm_weights(w, dim, wv);
+  block_rmsnorm_held(x, w, wv, dim, eps, out, copy, scratch, barrier);
 }
 
 }  // namespace tm_cuda

@@ -83,9 +83,16 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
+#if TM_NORM_WEIGHTS_BEFORE_WAIT
+  float wv[kNormHeld];
+  load_norm_weights(a.norm_w, a.hidden, wv);
+  pdl_begin();
+  block_rmsnorm_held(a.x + t * a.hidden, a.norm_w, wv, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
+#else
   pdl_begin();
   const float* xt = a.x + t * a.hidden;
   block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
+#endif
   if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
