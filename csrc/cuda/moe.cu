@@ -574,9 +574,15 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
 //   depend on how many rows a warp reads at once).
-constexpr int kSplitRows = kRowsPerBlock / 2;
+// Measurement knob: output rows a block (its warps: twice as many). Every block reads the whole activation vectors
+// (the shared expert's and the slots'), so rows a block set how often they cross from L2 (the same bits).
+#ifndef TM_DOWN_SPLIT_ROWS
+#define TM_DOWN_SPLIT_ROWS (kRowsPerBlock / 2)
+#endif
+constexpr int kSplitRows = TM_DOWN_SPLIT_ROWS;
+constexpr int kDownThreads = 2 * kSplitRows * 32;
 constexpr int down_min_blocks(Fmt s, Fmt r) {
-  return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
+  return fmt_tiled(s) && fmt_tiled(r) ? 4 * (kRowsPerBlock / 2) / kSplitRows : TM_WEIGHT_MIN_BLOCKS;
 }
 
 // Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0
@@ -591,7 +597,7 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
 }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
+__global__ void __launch_bounds__(kDownThreads, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
@@ -853,7 +859,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
           for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                          dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
+                          dim3(kDownThreads), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
                           gate_mode, t0));
           }
           return TM_OK;
