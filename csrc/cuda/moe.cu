@@ -107,11 +107,6 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
-// Measurement knob: 1 has router_experts_gate_up's shared blocks ask for their rows in L2 before pdl_wait (their
-// predecessor is attn_output since the router moved into this grid); 0 does not (results/NOTES.md v4h).
-#ifndef TM_RGU_SHARED_PREFETCH
-#define TM_RGU_SHARED_PREFETCH 0
-#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -125,8 +120,9 @@ struct GateUpArgs {
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
 // h[t] = h + t * h_stride (h_stride 0: the block's own token row, e.g. in shared memory). Called after pdl_begin.
-// The kernels do not prefetch a shared expert's rows before pdl_wait: their blocks start while the router runs,
-// and 24.5 MB of prefetches then slowed the router more than they sped this kernel (results/NOTES.md v4h). h is
+// The kernels do not prefetch a shared expert's rows before pdl_wait: 24.5 MB of prefetches slowed the kernel
+// before them more than they sped this one (the router's, results/NOTES.md v4h; attn_output's since the router
+// joined this grid, v7: 813.9 against 817.3 tok/s). h is
 // read with plain loads (the fused router kernel writes it in the same grid, or it sits in shared memory).
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
@@ -383,20 +379,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t router_blocks = static_cast<uint32_t>(n_tokens) * per_token;
   const uint32_t sh_blocks = shared_gate_up_blocks(sh, n_tokens);
   stamp(0);
-#if TM_NORM_WEIGHTS_BEFORE_WAIT || TM_RGU_SHARED_PREFETCH
-  float wv[kNormHeld];  // a shared block's norm weights (load_norm_weights)
-  if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
-    if (TM_NORM_WEIGHTS_BEFORE_WAIT) load_norm_weights(ra.norm_w, hidden, wv);
-    if (TM_RGU_SHARED_PREFETCH) {  // the block's two rows a warp into L2 (weights: before pdl_wait)
-      const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);
-      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
-      if (r < sh.ffn) {
-        prefetch_row_l2(sh.w_gate + r * sh.row_bytes, sh.row_bytes, lane);
-        prefetch_row_l2(sh.w_up + r * sh.row_bytes, sh.row_bytes, lane);
-      }
-    }
-  }
-#endif
+  const bool shared_block = blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks;
+  float wv[kNormHeld];  // a shared block's norm weights, loaded before pdl_wait: only x is read after it
+  if (shared_block) load_norm_weights(ra.norm_w, hidden, wv);
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -405,17 +390,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   }
   pdl_begin();
   stamp(1);
-  if (blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks) {
+  if (shared_block) {
     stamp_role(1);
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
-#if TM_NORM_WEIGHTS_BEFORE_WAIT
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
-#else
-    block_rmsnorm(ra.x + p.pair * hidden, ra.norm_w, hidden, ra.eps, hbuf, nullptr, hbuf + router_h_floats(hidden));
-#endif
     stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
     stamp_end();
@@ -574,15 +555,9 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
 //   depend on how many rows a warp reads at once).
-// Measurement knob: output rows a block (its warps: twice as many). Every block reads the whole activation vectors
-// (the shared expert's and the slots'), so rows a block set how often they cross from L2 (the same bits).
-#ifndef TM_DOWN_SPLIT_ROWS
-#define TM_DOWN_SPLIT_ROWS (kRowsPerBlock / 2)
-#endif
-constexpr int kSplitRows = TM_DOWN_SPLIT_ROWS;
-constexpr int kDownThreads = 2 * kSplitRows * 32;
+constexpr int kSplitRows = kRowsPerBlock / 2;
 constexpr int down_min_blocks(Fmt s, Fmt r) {
-  return fmt_tiled(s) && fmt_tiled(r) ? 4 * (kRowsPerBlock / 2) / kSplitRows : TM_WEIGHT_MIN_BLOCKS;
+  return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
 
 // Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0
@@ -597,7 +572,7 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
 }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
-__global__ void __launch_bounds__(kDownThreads, down_min_blocks(FS, FR))
+__global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
                         float* x, int gate_mode, int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
@@ -859,7 +834,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
           for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                          dim3(kDownThreads), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
+                          dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
                           gate_mode, t0));
           }
           return TM_OK;

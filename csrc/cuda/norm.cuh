@@ -18,12 +18,6 @@
 
 namespace tm_cuda {
 
-// Measurement knob: 1 loads the norm weights of qkv_rope's and the fused gate-up's shared blocks before pdl_wait
-// (load_norm_weights), so that only x is read after it; 0 loads them beside x (the same bits either way).
-#ifndef TM_NORM_WEIGHTS_BEFORE_WAIT
-#define TM_NORM_WEIGHTS_BEFORE_WAIT 0
-#endif
-
 constexpr int kNormThreads = 256;
 constexpr int kNormWarps = kNormThreads / 32;
 

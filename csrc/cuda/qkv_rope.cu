@@ -4,7 +4,8 @@
  *
  * Launch shape: blocks of 256 threads (8 warps), each for one token and 8 consecutive work items of it; a work
  * item is one rotation pair i of one q, k or v head: rows a = i, b = i + head_dim/2 (NEOX) or a = 2i, b = 2i + 1.
- * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes);
+ * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes; its
+ * weights loaded before pdl_wait);
  * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
  * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
  * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
@@ -83,16 +84,10 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
-#if TM_NORM_WEIGHTS_BEFORE_WAIT
-  float wv[kNormHeld];
+  float wv[kNormHeld];  // the norm weights before pdl_wait: only x is read after it
   load_norm_weights(a.norm_w, a.hidden, wv);
   pdl_begin();
   block_rmsnorm_held(a.x + t * a.hidden, a.norm_w, wv, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
-#else
-  pdl_begin();
-  const float* xt = a.x + t * a.hidden;
-  block_rmsnorm(xt, a.norm_w, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
-#endif
   if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {qkv_h};
