@@ -107,6 +107,15 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
+// Timing probes of router_experts_gate_up (wrong results; results/NOTES.md v7): TM_RGU_IDS_PROBE=1 lets the
+// routed blocks start once h is out, without the router's ids (the bound of a router off the launch's path);
+// TM_RGU_NORM_PROBE=1 lets the shared blocks read x as h (the bound of h computed before the launch).
+#ifndef TM_RGU_IDS_PROBE
+#define TM_RGU_IDS_PROBE 0
+#endif
+#ifndef TM_RGU_NORM_PROBE
+#define TM_RGU_NORM_PROBE 0
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -395,10 +404,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
+#if TM_RGU_NORM_PROBE  // timing only: x in place of h, no norm on the shared blocks' path (wrong results)
+    (void)hbuf;
+    gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
+#else
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
     stamp(3);
     gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+#endif
     stamp_end();
     return;
   }
@@ -423,9 +437,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
+#if TM_RGU_IDS_PROBE  // timing only: h awaited, the ids not (slot s takes expert s: wrong results)
+  routed_wait(sy, t, raised, false);
+  const int e = static_cast<int>(p.pair - t * slots);
+#else
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
+#endif
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
