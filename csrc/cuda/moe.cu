@@ -116,6 +116,14 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
+// Measurement knob (results/NOTES.md lesson 73; written after the nineteenth session's device minutes, not yet run):
+// router_experts_gate_up's shared blocks have the copy engine put each warp's gate and up rows into shared memory
+// (tiled rows), issued after pdl_wait (1) or before it (2), so that the rows land while the block normalises x
+// (the copies queue in the copy engine, not behind x's loads in the warp: lesson 56), and read them there with the
+// same dot (the same bits). 0: the rows stream from global memory after the norm.
+#ifndef TM_RGU_SHARED_ROWS_IN_SMEM
+#define TM_RGU_SHARED_ROWS_IN_SMEM 0
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -136,9 +144,11 @@ struct GateUpArgs {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-template <Fmt F, bool V>
+// SM: the warp's gate and up rows are copies in shared memory at row_copies (gate, then up; tiled rows only).
+template <Fmt F, bool V, bool SM = false>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
+                                              const uint8_t* row_copies = nullptr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   if (r >= a.ffn) return;
@@ -151,10 +161,10 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
     return;
   }
   const int64_t off = (e * a.ffn + r) * a.row_bytes;
-  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
+  const uint8_t* wr[2] = {SM ? row_copies : a.w_gate + off, SM ? row_copies + a.row_bytes : a.w_up + off};
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
-  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+  warp_dot<F, 2, 1, true, V, SM>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -311,6 +321,13 @@ __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
   return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
 }
+// With TM_RGU_SHARED_ROWS_IN_SMEM: where the shared blocks' row copies start (16-byte aligned), and the whole size.
+__host__ __device__ inline int64_t rgu_rows_offset(int64_t hidden, int64_t top_k) {
+  return ceil_div(router_gate_up_smem(hidden, top_k), 16) * 16;
+}
+__host__ __device__ inline int64_t rgu_rows_smem(int64_t hidden, int64_t top_k, int64_t row_bytes) {
+  return rgu_rows_offset(hidden, top_k) + 2 * kRowsPerBlock * row_bytes;
+}
 
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
                                              int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
@@ -376,7 +393,8 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-template <Fmt F, bool V>
+// SM (TM_RGU_SHARED_ROWS_IN_SMEM): the shared blocks read their rows from copies in shared memory.
+template <Fmt F, bool V, bool SM = false>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
@@ -391,6 +409,22 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const bool shared_block = blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks;
   float wv[kNormHeld];  // a shared block's norm weights, loaded before pdl_wait: only x is read after it
   if (shared_block) load_norm_weights(ra.norm_w, hidden, wv);
+  // (SM) this warp's row copies and their barriers; row_copy_start issues both copies (lane 0)
+  __shared__ uint64_t rows_landed[SM ? kRowsPerBlock : 1][2];
+  uint8_t* const row_copies = reinterpret_cast<uint8_t*>(rg_smem) + rgu_rows_offset(hidden, ra.top_k) +
+                              2 * warp * sh.row_bytes;
+  const int64_t sh_row =  // the shared block's row r (experts_gate_up_tile: tiles of n_tokens blocks; 32 bits)
+      static_cast<int64_t>((blockIdx.x - router_blocks) / static_cast<uint32_t>(n_tokens)) * kRowsPerBlock + warp;
+  auto row_copy_start = [&]() {
+    if (lane == 0 && sh_row < sh.ffn) {
+      const uint32_t bytes = static_cast<uint32_t>(sh.row_bytes);
+      bulk_row_to_smem(row_copies, sh.w_gate + sh_row * sh.row_bytes, bytes, &rows_landed[warp][0]);
+      bulk_row_to_smem(row_copies + bytes, sh.w_up + sh_row * sh.row_bytes, bytes, &rows_landed[warp][1]);
+    }
+  };
+  if constexpr (SM && TM_RGU_SHARED_ROWS_IN_SMEM == 2) {
+    if (shared_block) row_copy_start();
+  }
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -408,10 +442,19 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
+    if constexpr (SM && TM_RGU_SHARED_ROWS_IN_SMEM != 2) row_copy_start();
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
     stamp(3);
-    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    if constexpr (SM) {
+      if (sh_row < sh.ffn) {  // the norm's barriers ordered lane 0's barrier init before these waits
+        bulk_wait(&rows_landed[warp][0]);
+        bulk_wait(&rows_landed[warp][1]);
+      }
+      gate_up_block<F, V, true>(sh, hbuf, 0, nblocks, p.pair, p.tile, -1, row_copies);
+    } else {
+      gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    }
 #endif
     stamp_end();
     return;
@@ -918,10 +961,17 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
-    return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
-                  dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
-                  hidden, nblocks, sync);
+    auto run = [&](auto kernel, int64_t bytes) -> int {
+      TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, fn));
+      return launch(lim, fn, kernel, dim3(static_cast<unsigned>(total)), dim3(kRowsPerBlock * 32),
+                    static_cast<size_t>(bytes), s, ra, router_mode, sh, rt, h, n_tokens, hidden, nblocks, sync);
+    };
+    if constexpr (fmt_tiled(F) && TM_RGU_SHARED_ROWS_IN_SMEM != 0) {  // when the copies fit (the same bits)
+      const int64_t rows_smem = rgu_rows_smem(hidden, top_k, sh.row_bytes);
+      if (sh.row_bytes % 16 == 0 && rows_smem <= lim.smem_block)
+        return run(router_experts_gate_up_kernel<F, V, true>, rows_smem);
+    }
+    return run(router_experts_gate_up_kernel<F, V>, smem);
   });
 }
 
