@@ -70,13 +70,6 @@ __device__ __forceinline__ float block_rms_inv(float ss, int64_t dim, float eps,
   return rms_inv_from_sum(warp_sum(lane < kNormWarps ? scratch[lane] : 0.0f), dim, eps);
 }
 
-// out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of `dim` values by threads
-// 0 .. kNormThreads - 1 (the whole block, or with NormWarpsBarrier the first 8 warps of a larger one), then a
-// barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads
-// (it may be the output of the previous kernel), once: the first kNormHeld * kNormThreads values stay in
-// registers, as do their weights, loaded before the reduction so that their round trip overlaps x's. Each thread
-// writes only indices it read, after the reduction's barrier, so out may alias x. Two barriers in all (there were
-// four, and a second read of x: each is a round trip on the path of every block that normalises its input).
 // The weights block_rmsnorm keeps in registers (this thread's first kNormHeld indices). They never change, so a
 // kernel may load them before pdl_wait and pass them to block_rmsnorm_held (the same bits: only the time differs).
 __device__ __forceinline__ void load_norm_weights(const float* w, int64_t dim, float (&wv)[kNormHeld]) {
@@ -87,7 +80,14 @@ __device__ __forceinline__ void load_norm_weights(const float* w, int64_t dim, f
   }
 }
 
-// block_rmsnorm with this thread's first weights already in wv (load_norm_weights).
+// block_rmsnorm(_held): out[i] = rms_apply(x[i], inv, w[i]) (and copy[i], unless copy is nullptr) for a row of
+// `dim` values by threads 0 .. kNormThreads - 1 (the whole block, or with NormWarpsBarrier the first 8 warps of a
+// larger one), then a barrier: the tree above, so the bits tm_rmsnorm writes. x is read with plain loads (it may be
+// the output of the previous kernel), once: the first kNormHeld * kNormThreads values stay in registers, as do
+// their weights (wv: block_rmsnorm loads them before the reduction so that their round trip overlaps x's; a kernel
+// may load them before pdl_wait and call block_rmsnorm_held). Each thread writes only indices it read, after the
+// reduction's barrier, so out may alias x. Two barriers in all (there were four, and a second read of x: each is a
+// round trip on the path of every block that normalises its input).
 template <class Barrier = BlockBarrier>
 __device__ __forceinline__ void block_rmsnorm_held(const float* x, const float* w, const float (&wv)[kNormHeld],
                                                    int64_t dim, float eps, float* out, float* copy, float* scratch,
