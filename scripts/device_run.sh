@@ -6,7 +6,9 @@
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
 # after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree
-# travels without .git), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
+# travels without .git; or carry .device_commit, written by `git rev-parse --short HEAD > .device_commit` just
+# before the call: the reports then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it
+# ends the call before any work, so that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
@@ -29,6 +31,13 @@ export PYTHONUNBUFFERED=1
 OUT_TOP=${OUT:-/tmp/out}; OUT=$OUT_TOP/r; rm -rf "$OUT"; mkdir -p "$OUT"  # a reused machine may hold old results
 trap 'tar czf "$OUT_TOP/results.tgz" -C "$OUT_TOP" r && rm -rf "$OUT"' EXIT
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
+if [ -f .device_commit ]; then
+  carried=$(tr -d '[:space:]' < .device_commit)
+  if [ -n "${TORNADO_MOE_GIT_COMMIT:-}" ] && [ "$TORNADO_MOE_GIT_COMMIT" != "$carried" ]; then
+    echo "TORNADO_MOE_GIT_COMMIT=$TORNADO_MOE_GIT_COMMIT but .device_commit says $carried: stopping"; exit 1
+  fi
+  export TORNADO_MOE_GIT_COMMIT=$carried
+fi
 PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
