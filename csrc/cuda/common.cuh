@@ -150,6 +150,15 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 }
 
+// The first `lines` 128-byte lines of a row (at most `bytes`) into this multiprocessor's L1, one prefetch per lane
+// and line: fire-and-forget requests that hold no register, for a row the warp reads after a step of its own
+// (a norm) that does not depend on it.
+__device__ __forceinline__ void prefetch_row_l1(const void* row, int64_t bytes, int64_t lines, int lane) {
+  const char* p = static_cast<const char*>(row);
+  const int64_t end = bytes < 128 * lines ? bytes : 128 * lines;
+  for (int64_t off = 128 * lane; off < end; off += 32 * 128) prefetch_l1(p + off);
+}
+
 // The lines of a weight row into L2: what a kernel may do before pdl_wait (weights never change), so its first
 // loads hit L2 while the previous kernel still runs. On sm_90 lane 0 hands the whole row to the copy engine (TMA)
 // in one instruction, whose requests do not queue in the multiprocessor's load path (H200, results/NOTES.md v4h:

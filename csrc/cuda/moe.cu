@@ -116,13 +116,11 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
-// Measurement knob (results/NOTES.md lesson 73; written after the nineteenth session's device minutes, not yet run):
-// router_experts_gate_up's shared blocks have the copy engine put each warp's gate and up rows into shared memory
-// (tiled rows), issued after pdl_wait (1) or before it (2), so that the rows land while the block normalises x
-// (the copies queue in the copy engine, not behind x's loads in the warp: lesson 56), and read them there with the
-// same dot (the same bits). 0: the rows stream from global memory after the norm.
-#ifndef TM_RGU_SHARED_ROWS_IN_SMEM
-#define TM_RGU_SHARED_ROWS_IN_SMEM 0
+// Measurement knob (results/NOTES.md v8): the shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines
+// of each warp's gate and up rows in L1 right after pdl_wait, so that their DRAM round trip overlaps the norm of x
+// (prefetches hold no register and return nothing to the warp, unlike the loads of lesson 56). 0: none.
+#ifndef TM_RGU_SHARED_L1_LINES
+#define TM_RGU_SHARED_L1_LINES 0
 #endif
 constexpr float kNaN = __builtin_nanf("");
 
@@ -144,11 +142,9 @@ struct GateUpArgs {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-// SM: the warp's gate and up rows are copies in shared memory at row_copies (gate, then up; tiled rows only).
-template <Fmt F, bool V, bool SM = false>
+template <Fmt F, bool V>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
-                                              const uint8_t* row_copies = nullptr) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   if (r >= a.ffn) return;
@@ -161,10 +157,10 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
     return;
   }
   const int64_t off = (e * a.ffn + r) * a.row_bytes;
-  const uint8_t* wr[2] = {SM ? row_copies : a.w_gate + off, SM ? row_copies + a.row_bytes : a.w_up + off};
+  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
-  warp_dot<F, 2, 1, true, V, SM>(wr, xs, nblocks, gu);
+  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -321,13 +317,6 @@ __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
   return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
 }
-// With TM_RGU_SHARED_ROWS_IN_SMEM: where the shared blocks' row copies start (16-byte aligned), and the whole size.
-__host__ __device__ inline int64_t rgu_rows_offset(int64_t hidden, int64_t top_k) {
-  return ceil_div(router_gate_up_smem(hidden, top_k), 16) * 16;
-}
-__host__ __device__ inline int64_t rgu_rows_smem(int64_t hidden, int64_t top_k, int64_t row_bytes) {
-  return rgu_rows_offset(hidden, top_k) + 2 * kRowsPerBlock * row_bytes;
-}
 
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
                                              int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
@@ -393,8 +382,7 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// SM (TM_RGU_SHARED_ROWS_IN_SMEM): the shared blocks read their rows from copies in shared memory.
-template <Fmt F, bool V, bool SM = false>
+template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
@@ -409,23 +397,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const bool shared_block = blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks;
   float wv[kNormHeld];  // a shared block's norm weights, loaded before pdl_wait: only x is read after it
   if (shared_block) load_norm_weights(ra.norm_w, hidden, wv);
-  // (SM) this warp's row copies and their barriers; row_copy_start issues both copies (lane 0)
-  __shared__ uint64_t rows_landed[SM ? kRowsPerBlock : 1][2];
-  uint8_t* const row_copies = reinterpret_cast<uint8_t*>(rg_smem) + rgu_rows_offset(hidden, ra.top_k) +
-                              2 * warp * sh.row_bytes;
-  const int64_t sh_row =  // this warp's row, as gate_up_block finds it
-      static_cast<int64_t>(experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).tile) * kRowsPerBlock +
-      warp;
-  auto row_copy_start = [&]() {
-    if (lane == 0 && sh_row < sh.ffn) {
-      const uint32_t bytes = static_cast<uint32_t>(sh.row_bytes);
-      bulk_row_to_smem(row_copies, sh.w_gate + sh_row * sh.row_bytes, bytes, &rows_landed[warp][0]);
-      bulk_row_to_smem(row_copies + bytes, sh.w_up + sh_row * sh.row_bytes, bytes, &rows_landed[warp][1]);
-    }
-  };
-  if constexpr (SM && TM_RGU_SHARED_ROWS_IN_SMEM == 2) {
-    if (shared_block) row_copy_start();
-  }
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -439,23 +410,21 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
+    if constexpr (TM_RGU_SHARED_L1_LINES > 0) {
+      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+      if (r < sh.ffn) {
+        prefetch_row_l1(sh.w_gate + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+        prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+      }
+    }
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h, no norm on the shared blocks' path (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
-    if constexpr (SM && TM_RGU_SHARED_ROWS_IN_SMEM != 2) row_copy_start();
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
     stamp(3);
-    if constexpr (SM) {
-      if (sh_row < sh.ffn) {  // the norm's barriers ordered lane 0's barrier init before these waits
-        bulk_wait(&rows_landed[warp][0]);
-        bulk_wait(&rows_landed[warp][1]);
-      }
-      gate_up_block<F, V, true>(sh, hbuf, 0, nblocks, p.pair, p.tile, -1, row_copies);
-    } else {
-      gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
-    }
+    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
 #endif
     stamp_end();
     return;
@@ -962,17 +931,10 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    auto run = [&](auto kernel, int64_t bytes) -> int {
-      TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, fn));
-      return launch(lim, fn, kernel, dim3(static_cast<unsigned>(total)), dim3(kRowsPerBlock * 32),
-                    static_cast<size_t>(bytes), s, ra, router_mode, sh, rt, h, n_tokens, hidden, nblocks, sync);
-    };
-    if constexpr (fmt_tiled(F) && TM_RGU_SHARED_ROWS_IN_SMEM != 0) {  // when the copies fit (the same bits)
-      const int64_t rows_smem = rgu_rows_smem(hidden, top_k, sh.row_bytes);
-      if (sh.row_bytes % 16 == 0 && rows_smem <= lim.smem_block)
-        return run(router_experts_gate_up_kernel<F, V, true>, rows_smem);
-    }
-    return run(router_experts_gate_up_kernel<F, V>, smem);
+    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
+    return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
+                  dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
+                  hidden, nblocks, sync);
   });
 }
 
