@@ -21,12 +21,6 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-// Measurement knob (results/NOTES.md v8): the first TM_QKV_L1_LINES 128-byte lines of each warp's two rows asked
-// into L1 right after pdl_wait, to overlap the norm (common.cuh's prefetch_row_l1; the gate-up's shared blocks
-// gained with 8). 0: none.
-#ifndef TM_QKV_L1_LINES
-#define TM_QKV_L1_LINES 0
-#endif
 constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
@@ -93,10 +87,6 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   float wv[kNormHeld];  // the norm weights before pdl_wait: only x is read after it
   load_norm_weights(a.norm_w, a.hidden, wv);
   pdl_begin();
-  if (TM_QKV_L1_LINES > 0 && active) {
-    prefetch_row_l1(a.w[which] + ra * a.row_bytes, a.row_bytes, TM_QKV_L1_LINES, lane);
-    prefetch_row_l1(a.w[which] + rb * a.row_bytes, a.row_bytes, TM_QKV_L1_LINES, lane);
-  }
   block_rmsnorm_held(a.x + t * a.hidden, a.norm_w, wv, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
   if (!active) return;  // no barrier follows
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
