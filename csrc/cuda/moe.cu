@@ -258,7 +258,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //     counter and a last-arrival release had put two fences on this path: H200, the ids 1.2 us later and
 //     805.4 against 812.5 tok/s in one call, results/NOTES.md v4r and lesson 47.)
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
-//     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
+//     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns
+//     (its rows' first lines asked into L1 just before the norm: TM_RGU_SHARED_L1_LINES).
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
 //   routed block: polls ids_ready[t] (relaxed) and h_ready[t] (acquire: then h is visible) in one loop, takes
 //     its slot's expert id from the ids word, then experts_gate_up_block. Beyond kIdsInFlag slots block 0
