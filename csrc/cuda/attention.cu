@@ -98,6 +98,15 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 // Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
 // 0 takes the cluster merge at every length (the same bits).
+// Measurement knob (results/NOTES.md lesson 78; written after the twentieth session's device minutes, not yet run):
+// before pdl_wait a worker asks for the cache rows of positions below the peeked position in L1 rather than L2:
+// the keys (1) or the keys and the values (2), so that its 64-128 KB of rows are on the multiprocessor before the
+// wait instead of crossing from L2 after it. Only those rows: they were written by kernels that completed before
+// this one started (the position only grows between them), while the rows from the peeked position on may be the
+// previous kernel's, which an L1 copy taken now could serve stale. 0: every row into L2 (the product).
+#ifndef TM_ATT_L1_BEFORE_WAIT
+#define TM_ATT_L1_BEFORE_WAIT 0
+#endif
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
 #endif
@@ -151,11 +160,22 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   };
   {
     // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
-    const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
+    const int64_t p_guess = static_cast<int64_t>(peek_before_wait(pos));
+    const int64_t n_guess = context(p_guess);
     const int64_t lines = (head_dim * 4 + 127) / 128;
     for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
       const int64_t j = tile * kAttTile + lane;
       if (j < n_guess) {
+#if TM_ATT_L1_BEFORE_WAIT  // (a preprocessor block: the product's PTX stays as measured)
+        if (j < p_guess) {
+          for (int64_t c = 0; c < lines; ++c) {
+            prefetch_l1(kb + j * row_stride + 32 * c);
+            if (TM_ATT_L1_BEFORE_WAIT == 2) prefetch_l1(vb + j * row_stride + 32 * c);
+            else prefetch_l2(vb + j * row_stride + 32 * c);
+          }
+          continue;
+        }
+#endif
         for (int64_t c = 0; c < lines; ++c) {
           prefetch_l2(kb + j * row_stride + 32 * c);
           prefetch_l2(vb + j * row_stride + 32 * c);
