@@ -96,8 +96,6 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
-// 0 takes the cluster merge at every length (the same bits).
 // Measurement knob (results/NOTES.md lesson 78; written after the twentieth session's device minutes, not yet run):
 // before pdl_wait a worker asks for the cache rows of positions below the peeked position in L1 rather than L2:
 // the keys (1) or the keys and the values (2), so that its 64-128 KB of rows are on the multiprocessor before the
@@ -107,6 +105,8 @@ constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 #ifndef TM_ATT_L1_BEFORE_WAIT
 #define TM_ATT_L1_BEFORE_WAIT 0
 #endif
+// Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
+// 0 takes the cluster merge at every length (the same bits).
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
 #endif
