@@ -23,6 +23,7 @@
 # branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
+# BENCH_STEPS (the bench stage's --steps-per-graph, e.g. `1,8`: every variant once per count);
 # TESTS_MUST_PASS=1: stop after the tests stage if a test failed; FFN_PICK=1 (see below);
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
@@ -196,7 +197,7 @@ BENCH_ARGS=(--model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 5
 if want bench; then
   stamp bench
   timeout -k 10 "$(left 150)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} \
-    --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    ${BENCH_STEPS:+--steps-per-graph "$BENCH_STEPS"} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/bench.log"
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)

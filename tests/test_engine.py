@@ -90,14 +90,16 @@ def _pipelining_params() -> list:
     return params
 
 
+@pytest.mark.parametrize("steps", [1, 4], ids=["1-step", "4-step"])
 @pytest.mark.parametrize(("device", "cuda_graphs"), _pipelining_params())
-def test_pipelined_generate_is_the_stepwise_loop(tiny, device: str, cuda_graphs: bool) -> None:
-    """generate() launches each step before reading the previous token back, and discards the step launched
-    ahead of a stop token: tokens, positions and a continued conversation (a second generate() on the same
-    sequence, as the chat loop does) must be those of the plain loop."""
+def test_pipelined_generate_is_the_stepwise_loop(tiny, device: str, cuda_graphs: bool, steps: int) -> None:
+    """generate() launches steps (``steps`` at a time, one CUDA graph each) before reading the previous tokens
+    back, and discards the steps launched past a stop token: tokens, positions and a continued conversation
+    (a second generate() on the same sequence, as the chat loop does) must be those of the plain loop. With
+    4 steps a launch, the stop token below falls inside a launch and the last launch is a partial one."""
     # sampled, so the tokens vary (greedy decoding of the random tiny model repeats one token)
     sampler = SamplerConfig(temperature=0.9, top_p=0.9, top_k=40, seed=7)
-    opts = EngineOptions(device=device, cuda_graphs=cuda_graphs, sampler=sampler)
+    opts = EngineOptions(device=device, cuda_graphs=cuda_graphs, sampler=sampler, steps_per_graph=steps)
     free, _ = Engine(tiny, opts).generate(PROMPT, 12)
     stop = {free[4]}  # a stop token the run meets, early: steps were launched ahead of it
     first = free.index(free[4]) + 1
@@ -157,6 +159,11 @@ def test_token_outside_vocabulary_is_rejected(tiny) -> None:
 
 
 @pytest.mark.skipif(GPU, reason="checks the error raised on a machine without a GPU")
+def test_steps_per_graph_below_one_is_a_clear_error(tiny) -> None:
+    with pytest.raises(InputError, match="--steps-per-graph"):
+        Engine(tiny, EngineOptions(device="cpu", steps_per_graph=0))
+
+
 def test_cuda_without_gpu_is_a_clear_error(tiny) -> None:
     with pytest.raises(DeviceError, match="no CUDA GPU"):
         Engine(tiny, EngineOptions(device="cuda"))

@@ -587,6 +587,16 @@ def test_advance_position(device: str) -> None:
     assert pos.item() == 6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_advance_position_logs_the_token_at_the_new_position(device: str) -> None:
+    pos, log = int32([5], device), int32([-1] * 9, device)
+    # positions 6, 8, then 9 and 10, which are at or past log_len = 9 and so are not logged
+    for token, delta in ((11, 1), (12, 2), (13, 1), (14, 1)):
+        K.advance_position(pos, delta, int32([token], device), log, 9)
+    assert pos.item() == 10
+    assert log.tolist() == [-1] * 6 + [11, -1, 12]
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 
 
@@ -818,6 +828,9 @@ def test_invoke_marshals_like_the_torch_ops(device: str) -> None:
     lib.tm_stream_synchronize(1 if device == "cuda" else 0, ctypes.c_void_p(stream))
     assert out_op.item() == out_c.item()
     pos = int32([5], device)
-    assert invoke(lib, "advance_position", device, [pos.data_ptr(), -2], stream) == 0
+    token, log = int32([7], device), int32([0] * 4, device)
+    assert invoke(lib, "advance_position", device, [pos.data_ptr(), -2, token.data_ptr(), log.data_ptr(), 4],
+                  stream) == 0
     lib.tm_stream_synchronize(1 if device == "cuda" else 0, ctypes.c_void_p(stream))
     assert pos.item() == 3
+    assert log.tolist() == [0, 0, 0, 7]

@@ -73,7 +73,8 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##argmax(const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab, void* stream);       \
   int PREFIX##sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,         \
                      int64_t top_k, uint64_t seed, const int32_t* step, void* stream);                        \
-  int PREFIX##advance_position(int32_t* pos, int32_t delta, void* stream);
+  int PREFIX##advance_position(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log, int64_t log_len, \
+                               void* stream);
 
 TM_BACKEND_KERNELS(tm_cpu_)
 TM_BACKEND_KERNELS(tm_cuda_)

@@ -494,11 +494,18 @@ TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_
   return TM_FORWARD(sample, device, logits, out, vocab, temperature, top_p, top_k, seed, step, stream);
 }
 
-TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, void* stream) {
+TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
+                               int64_t log_len, void* stream) {
   const char* fn = "tm_advance_position";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_ptr(fn, "pos", pos));
-  return TM_FORWARD(advance_position, device, pos, delta, stream);
+  if (log != nullptr) {
+    TM_TRY(check_ptr(fn, "token", token));
+    if (log_len < 0)
+      return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: argument 'log_len' must be >= 0, got %lld", fn,
+                          static_cast<long long>(log_len));
+  }
+  return TM_FORWARD(advance_position, device, pos, delta, token, log, log_len, stream);
 }
 
 }  // extern "C"

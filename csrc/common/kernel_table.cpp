@@ -154,8 +154,11 @@ const KernelRow kKernels[] = {
                         a[6], ptr<const int32_t>(a[7]), s);
      },
      0},
-    {"advance_position", "pi",
-     [](tm_device d, const uint64_t* a, void* s) { return tm_advance_position(d, ptr<int32_t>(a[0]), i32(a[1]), s); },
+    {"advance_position", "pinni",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_advance_position(d, ptr<int32_t>(a[0]), i32(a[1]), ptr<const int32_t>(a[2]), ptr<int32_t>(a[3]),
+                                  i64(a[4]), s);
+     },
      1u << 1},
 };
 

@@ -137,8 +137,11 @@ extern "C" int tm_cpu_sample(const float* logits, int32_t* out, int64_t vocab, f
   return TM_OK;
 }
 
-extern "C" int tm_cpu_advance_position(int32_t* pos, int32_t delta, void* stream) {
+extern "C" int tm_cpu_advance_position(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
+                                       int64_t log_len, void* stream) {
   // two's-complement wrap instead of signed-overflow UB
-  pos[0] = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
+  const int32_t p = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
+  pos[0] = p;
+  if (log != nullptr && p >= 0 && p < log_len) log[p] = token[0];
   return TM_OK;
 }

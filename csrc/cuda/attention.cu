@@ -96,19 +96,16 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// Measurement knob (results/NOTES.md lesson 78; written after the twentieth session's device minutes, not yet run):
-// before pdl_wait a worker asks for the cache rows of positions below the peeked position in L1 rather than L2:
-// the keys (1) or the keys and the values (2), so that its 64-128 KB of rows are on the multiprocessor before the
-// wait instead of crossing from L2 after it. Only those rows: they were written by kernels that completed before
-// this one started (the position only grows between them), while the rows from the peeked position on may be the
-// previous kernel's, which an L1 copy taken now could serve stale. 0: every row into L2 (the product).
-#ifndef TM_ATT_L1_BEFORE_WAIT
-#define TM_ATT_L1_BEFORE_WAIT 0
-#endif
 // Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
 // 0 takes the cluster merge at every length (the same bits).
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
+#endif
+// Measurement knob (results/NOTES.md lesson 79): rank 0 of a one-block context computes on the position peeked
+// before pdl_wait (exact in a decode step, whose position was advanced three kernels earlier) and checks it
+// against the one read after the wait before writing, so the position's round trip leaves the critical path.
+#ifndef TM_ATT_SPEC_POS
+#define TM_ATT_SPEC_POS 0
 #endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
@@ -158,24 +155,13 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     int64_t n = p0 + t + 1;
     return n > max_ctx ? max_ctx : (n < 0 ? 0 : n);
   };
+  // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
+  const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
   {
-    // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
-    const int64_t p_guess = static_cast<int64_t>(peek_before_wait(pos));
-    const int64_t n_guess = context(p_guess);
     const int64_t lines = (head_dim * 4 + 127) / 128;
     for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
       const int64_t j = tile * kAttTile + lane;
       if (j < n_guess) {
-#if TM_ATT_L1_BEFORE_WAIT  // (a preprocessor block: the product's PTX stays as measured)
-        if (j < p_guess) {
-          for (int64_t c = 0; c < lines; ++c) {
-            prefetch_l1(kb + j * row_stride + 32 * c);
-            if (TM_ATT_L1_BEFORE_WAIT == 2) prefetch_l1(vb + j * row_stride + 32 * c);
-            else prefetch_l2(vb + j * row_stride + 32 * c);
-          }
-          continue;
-        }
-#endif
         for (int64_t c = 0; c < lines; ++c) {
           prefetch_l2(kb + j * row_stride + 32 * c);
           prefetch_l2(vb + j * row_stride + 32 * c);
@@ -184,7 +170,17 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     }
   }
   pdl_begin();
+#if TM_ATT_SPEC_POS  // (a preprocessor block: the product's PTX stays as measured)
+  // Rank 0 starts on the peeked context while the position's round trip is in flight, and checks it before it
+  // writes; on a mismatch it starts over with the position read after the wait (every other rank decided on
+  // that one, so a context that needs the cluster merge finds all ranks in it).
+  const int64_t n_read = context(static_cast<int64_t>(pos[0]));
+  const bool spec = TM_ATT_ONE_BLOCK && rank == 0 && n_guess <= static_cast<int64_t>(kAttWarps) * kAttTile;
+  int64_t n_pos = spec ? n_guess : n_read;
+  for (;;) {
+#else
   const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
+#endif
   // Every tile in rank 0 (worker g = rank * 4 + warp takes tile g first): the other blocks' partials would be
   // empty (m = -inf, l = 0, acc = +0), so no block needs the cluster barriers or the remote reads.
   const bool one_block = TM_ATT_ONE_BLOCK && n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
@@ -308,6 +304,12 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     // The cluster merge below with block 0's term alone: the empty blocks' terms are +0 products added to sums
     // that are never -0 (each starts at +0), which leaves every bit as it is, so this is that merge's result.
     __syncthreads();
+#if TM_ATT_SPEC_POS
+    if (n_pos != n_read) {  // the peek was stale: every thread passed the barrier, so the partials may be rewritten
+      n_pos = n_read;
+      continue;
+    }
+#endif
     const float m0 = blk[0];
     const float w0 = m0 == -INFINITY ? 0.0f : expf(__fsub_rn(m0, m0));
     const float big_l = __fadd_rn(0.0f, __fmul_rn(blk[1], w0));
@@ -354,6 +356,10 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     }
   }
   cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
+#if TM_ATT_SPEC_POS
+  return;
+  }
+#endif
 }
 
 template <int DPL>

@@ -151,8 +151,8 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 }
 
 // The first `lines` 128-byte lines of a row (at most `bytes`) into this multiprocessor's L1, one prefetch per lane
-// and line: fire-and-forget requests that hold no register, so that a row's first DRAM round trip overlaps
-// whatever the warp must do before its dot product (a norm, a wait for ids).
+// and line: fire-and-forget requests that hold no register, for a row the warp reads after a step of its own
+// (a norm) that does not depend on it.
 __device__ __forceinline__ void prefetch_row_l1(const void* row, int64_t bytes, int64_t lines, int lane) {
   const char* p = static_cast<const char*>(row);
   const int64_t end = bytes < 128 * lines ? bytes : 128 * lines;

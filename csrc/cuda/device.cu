@@ -169,9 +169,12 @@ int check_f32_alignment(const char* kernel, const char* arg, const void* p) {
 }
 
 namespace {
-__global__ void advance_position_kernel(int32_t* pos, int32_t delta) {
+__global__ void advance_position_kernel(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
+                                        int64_t log_len) {
   pdl_begin();
-  pos[0] = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
+  const int32_t p = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
+  pos[0] = p;
+  if (log != nullptr && p >= 0 && p < log_len) log[p] = token[0];
 }
 }  // namespace
 
@@ -261,11 +264,12 @@ int tm_cuda_stream_synchronize_impl(void* stream) {
   return TM_OK;
 }
 
-int tm_cuda_advance_position(int32_t* pos, int32_t delta, void* stream) {
+int tm_cuda_advance_position(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log, int64_t log_len,
+                             void* stream) {
   Limits lim;
   TM_TRY(get_limits(&lim));
   return launch(lim, "tm_advance_position", advance_position_kernel, dim3(1), dim3(1), 0, as_stream(stream), pos,
-                delta);
+                delta, token, log, log_len);
 }
 
 }  // extern "C"

@@ -258,8 +258,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //     counter and a last-arrival release had put two fences on this path: H200, the ids 1.2 us later and
 //     805.4 against 812.5 tok/s in one call, results/NOTES.md v4r and lesson 47.)
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
-//     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns
-//     (its rows' first lines asked into L1 just before the norm: TM_RGU_SHARED_L1_LINES).
+//     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
 //   routed block: polls ids_ready[t] (relaxed) and h_ready[t] (acquire: then h is visible) in one loop, takes
 //     its slot's expert id from the ids word, then experts_gate_up_block. Beyond kIdsInFlag slots block 0
@@ -600,18 +599,6 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
-// Measurement knob (results/NOTES.md lesson 77; written after the twentieth session's device minutes, not yet run):
-// a routed warp of experts_down_kernel peeks its slots' expert ids before pdl_wait (a guess: the router wrote them
-// ~7 us before this grid's blocks become resident) and asks for the first TM_DOWN_ROUTED_L1_LINES 128-byte lines
-// of those rows in L1, right after pdl_wait (TM_DOWN_ROUTED_L1_BEFORE_WAIT=0) or before it (1), so that the rows'
-// first DRAM round trip overlaps the ids' L2 one instead of following it. The dot still reads the ids after the
-// wait: a wrong guess costs a wasted prefetch, never a result. 0: none.
-#ifndef TM_DOWN_ROUTED_L1_LINES
-#define TM_DOWN_ROUTED_L1_LINES 0
-#endif
-#ifndef TM_DOWN_ROUTED_L1_BEFORE_WAIT
-#define TM_DOWN_ROUTED_L1_BEFORE_WAIT 0
-#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -642,35 +629,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   } else if (shared_warp && r0 + warp < sh.hidden && t == 0) {
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   }
-#if TM_DOWN_ROUTED_L1_LINES > 0  // (a preprocessor block: an unused lambda alone changed the kernels' PTX)
-  // a routed warp's guessed expert ids, and their rows' first lines asked into L1
-  constexpr int kDownPeekSlots = 4;  // slots a routed warp peeks (it takes every other slot: top_k <= 8)
-  int32_t peeked[kDownPeekSlots];
-  const int64_t ra_peek = r0 + 2 * ((warp - kSplitRows) >> 1);  // the warp's row pair, as in the loop below
-  const int64_t rb_peek = ra_peek + 1 < rt.hidden ? ra_peek + 1 : ra_peek;
-#pragma unroll
-  for (int i = 0; i < kDownPeekSlots; ++i) {
-    const int64_t s = ((warp - kSplitRows) & 1) + 2 * i;  // this warp's slots: j & 1, then every other
-    const bool mine = !shared_warp && ra_peek < rt.hidden && rt.ids != nullptr && s < rt.top_k;
-    peeked[i] = mine ? peek_before_wait(rt.ids + t * rt.top_k + s) : -1;
-  }
-  auto peeked_rows_to_l1 = [&]() {
-#pragma unroll
-    for (int i = 0; i < kDownPeekSlots; ++i) {
-      const int32_t e = peeked[i];
-      if (e < 0 || e >= rt.n_experts) continue;
-      const uint8_t* base = rt.w_down + static_cast<int64_t>(e) * rt.hidden * rt.row_bytes;
-      prefetch_row_l1(base + ra_peek * rt.row_bytes, rt.row_bytes, TM_DOWN_ROUTED_L1_LINES, lane);
-      if (rb_peek != ra_peek)
-        prefetch_row_l1(base + rb_peek * rt.row_bytes, rt.row_bytes, TM_DOWN_ROUTED_L1_LINES, lane);
-    }
-  };
-  if (TM_DOWN_ROUTED_L1_BEFORE_WAIT != 0) peeked_rows_to_l1();
   pdl_begin();
-  if (TM_DOWN_ROUTED_L1_BEFORE_WAIT == 0) peeked_rows_to_l1();
-#else
-  pdl_begin();
-#endif
   stamp(1, kDownTimelineRow0);
   stamp(2, kDownTimelineRow0);
   stamp_role(3, kDownTimelineRow0);

@@ -296,8 +296,12 @@ TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_
 TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_t vocab, float temperature,
                      float top_p, int64_t top_k, uint64_t seed, const int32_t* step, void* stream);
 
-/* Device-side step update for captured graphs: pos[0] += delta. */
-TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, void* stream);
+/* Device-side step update for captured graphs: pos[0] += delta; then, when log is not NULL and the new position
+ * p is in [0, log_len), log[p] = token[0] (the token chosen for position p: a graph that holds several decode
+ * steps leaves every step's token there, where the host reads them back once per replay). token may be NULL only
+ * when log is. */
+TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
+                               int64_t log_len, void* stream);
 
 /* ---- generic invocation (the Java route) ------------------------------------------------------------- */
 /* Every kernel above is also reachable by index with its arguments packed as 64-bit words (pointers as

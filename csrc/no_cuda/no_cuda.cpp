@@ -80,7 +80,9 @@ int tm_cuda_argmax(const float*, int32_t*, int64_t, int64_t, void*) { return no_
 int tm_cuda_sample(const float*, int32_t*, int64_t, float, float, int64_t, uint64_t, const int32_t*, void*) {
   return no_cuda("tm_sample");
 }
-int tm_cuda_advance_position(int32_t*, int32_t, void*) { return no_cuda("tm_advance_position"); }
+int tm_cuda_advance_position(int32_t*, int32_t, const int32_t*, int32_t*, int64_t, void*) {
+  return no_cuda("tm_advance_position");
+}
 
 int tm_cuda_compiled_impl(void) { return 0; }
 int tm_cuda_device_count_impl(void) { return 0; }

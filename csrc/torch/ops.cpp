@@ -419,13 +419,18 @@ void sample(const Tensor& logits, const Tensor& out, int64_t vocab, double tempe
                     static_cast<uint64_t>(seed), step_p, as_stream(stream)));
 }
 
-void advance_position(const Tensor& pos, int64_t delta, int64_t stream) {
+void advance_position(const Tensor& pos, int64_t delta, const OptTensor& token, const OptTensor& log,
+                      int64_t log_len, int64_t stream) {
   Args a("tornado_moe.advance_position");
   TORCH_CHECK(delta >= INT32_MIN && delta <= INT32_MAX, "tornado_moe.advance_position: delta ", num(delta),
               " does not fit int32");
+  TORCH_CHECK(token.has_value() == log.has_value(), "tornado_moe.advance_position: give token and log together");
   int32_t* pos_p = a.data<int32_t>(pos, "pos", kI32, 1);
+  const int32_t* token_p = a.optional<const int32_t>(token, "token", kI32, 1);
+  int32_t* log_p = a.optional<int32_t>(log, "log", kI32, log_len);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_advance_position(a.device(), pos_p, static_cast<int32_t>(delta), as_stream(stream)));
+  a.check(tm_advance_position(a.device(), pos_p, static_cast<int32_t>(delta), token_p, log_p, log_len,
+                              as_stream(stream)));
 }
 
 bool cuda_compiled() { return tm_cuda_compiled() != 0; }
@@ -498,7 +503,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
-  m.def("advance_position(Tensor(a!) pos, int delta, int stream) -> ()");
+  m.def("advance_position(Tensor(a!) pos, int delta, Tensor? token, Tensor(b!)? log, int log_len, int stream) -> ()");
   // No tensor arguments: catch-all kernels.
   m.def("cuda_compiled() -> bool", &cuda_compiled);
   m.def("cuda_device_count() -> int", &cuda_device_count);

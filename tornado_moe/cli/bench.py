@@ -9,6 +9,7 @@ from tornado_moe.cli.common import (
     add_device_argument,
     add_model_argument,
     add_prompt_arguments,
+    add_steps_per_graph_argument,
     load,
     non_negative_int,
     paragraph,
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="untimed runs per variant first (module loading, CUDA-graph capture) "
                         "(default: %(default)s)")
     p.add_argument("--compare", metavar="VARIANTS", help="variants to run side by side (see below)")
+    add_steps_per_graph_argument(p, several=True)
     p.add_argument("--max-context", type=positive_int, metavar="N",
                    help="KV-cache length (default: min(model context, 4096))")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 2:
         raise InputError("-n must be at least 2: decode speed is measured over the tokens after the first")
     device = resolve_device(args.device)
-    variants = parse_variants(args.compare, device)
+    variants = parse_variants(args.compare, device, steps_per_graph=args.steps_per_graph)
     path, model = load(args)
     prompt = prompt_token_ids(args, model, path)
     body = bench_model(model, variants, device, prompt, args.max_tokens, repeats=args.repeats,

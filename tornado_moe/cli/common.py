@@ -25,6 +25,7 @@ __all__ = [
     "add_model_argument",
     "add_device_argument",
     "add_prompt_arguments",
+    "add_steps_per_graph_argument",
     "model_path",
     "preset_model_path",
     "prompt_token_ids",
@@ -59,6 +60,28 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 positive_int = _int_at_least(1, "a positive integer")
 #: argparse type: an integer >= 0.
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _positive_int_list(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",")]
+
+
+#: EngineOptions.steps_per_graph's default, as the help texts state it (a test ties the two together).
+STEPS_PER_GRAPH_HELP_DEFAULT = 8
+
+
+def add_steps_per_graph_argument(p: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--steps-per-graph``: one count, or (``several``) a comma list that runs every variant per count."""
+    what = ("decode steps launched at once, as one CUDA-graph replay with --cuda-graphs: the GPU then runs them "
+            "back to back instead of idling ~13 us at each graph boundary; tokens come back once per launch "
+            "(steps past a stop token are discarded)")
+    if several:
+        p.add_argument("--steps-per-graph", type=_positive_int_list, metavar="N[,M...]",
+                       help=f"{what}; a comma list runs every variant once per count "
+                            f"(default: {STEPS_PER_GRAPH_HELP_DEFAULT})")
+    else:
+        p.add_argument("--steps-per-graph", type=positive_int, default=STEPS_PER_GRAPH_HELP_DEFAULT, metavar="N",
+                       help=f"{what} (default: %(default)s)")
 
 
 def add_model_argument(p: argparse.ArgumentParser, *, presets: bool = False) -> None:

@@ -9,6 +9,7 @@ from tornado_moe.cli.common import (
     add_device_argument,
     add_model_argument,
     add_prompt_arguments,
+    add_steps_per_graph_argument,
     load,
     paragraph,
     positive_int,
@@ -52,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--compare", metavar="VARIANTS",
                    help="variants to compare (see below; default: runs only)")
+    add_steps_per_graph_argument(p, several=True)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples with --seed, which must be just as reproducible")
     p.add_argument("--top-p", type=float, default=0.95,
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)  # checks the flags
     device = resolve_device(args.device)
-    variants = parse_variants(args.compare, device)
+    variants = parse_variants(args.compare, device, steps_per_graph=args.steps_per_graph)
     path, model = load(args)
     prompt = prompt_token_ids(args, model, path)
     body = check_determinism(model, variants, device.type, prompt, args.max_tokens, sampler, args.runs,

@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from tornado_moe.cli.common import add_device_argument, load, need_text, paragraph, positive_int
+from tornado_moe.cli.common import (
+    add_device_argument,
+    add_steps_per_graph_argument,
+    load,
+    need_text,
+    paragraph,
+    positive_int,
+)
 from tornado_moe.errors import InputError
 
 if TYPE_CHECKING:
@@ -89,6 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--cuda-graphs", action="store_true",
                    help="capture the whole decode step (all layers) as one CUDA graph, replayed per token "
                         "(needs a CUDA device)")
+    add_steps_per_graph_argument(x)
     x.add_argument("--per-slot", action="store_true",
                    help="unfused routed experts: two launches per routed slot and layer instead of two per "
                         "layer (bitwise identical results; for comparisons)")
@@ -171,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     sampler = SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)
     opts = EngineOptions(device=args.device, route=args.route, fuse_experts=not args.per_slot,
                          tile_weights=not args.gguf_layout,
-                         cuda_graphs=args.cuda_graphs, profiler=profiler, max_context=args.max_context,
+                         cuda_graphs=args.cuda_graphs, steps_per_graph=args.steps_per_graph,
+                         profiler=profiler, max_context=args.max_context,
                          sampler=sampler, progress=args.verbose_init)
     t1 = time.perf_counter()
     engine = Engine(model, opts)

@@ -32,6 +32,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+#: decode steps generate() launches at once by default (EngineOptions.steps_per_graph)
+DEFAULT_STEPS_PER_GRAPH = 8
+
+
 @dataclass
 class EngineOptions:
     device: str = "auto"
@@ -42,6 +46,10 @@ class EngineOptions:
     tile_weights: bool = True
     profiler: bool = False
     max_context: int | None = None  # default: min(model context, 4096)
+    # Decode steps generate() launches at once: with cuda_graphs, one replay of a graph that holds them all, so
+    # the device does not idle at a graph boundary between them (results/NOTES.md, v9). Tokens come back
+    # once per such launch; past a stop token the extra steps are discarded.
+    steps_per_graph: int = DEFAULT_STEPS_PER_GRAPH
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     progress: bool = False
 
@@ -83,6 +91,8 @@ class Engine:
         self.device = resolve_device(opts.device)
         if opts.cuda_graphs and self.device.type != "cuda":
             raise DeviceError("CUDA graphs need --device cuda")
+        if opts.steps_per_graph < 1:
+            raise InputError(f"steps per graph (--steps-per-graph) must be at least 1, got {opts.steps_per_graph}")
         self.max_context = min(opts.max_context or 4096, cfg.context_length)
         self.weights = DeviceModel(model, self.device, progress=opts.progress, tile=opts.tile_weights)
         self.act = Activations(cfg, self.device, max_tokens=1, max_context=self.max_context)
@@ -111,13 +121,13 @@ class Engine:
             raise InputError(f"sequence of {self.position + n} tokens exceeds the context of "
                              f"{self.max_context} tokens (model context {self.config.context_length})")
 
-    def _execute(self) -> None:
+    def _execute(self, steps: int = 1) -> None:
         if self.options.cuda_graphs and not self._graph_enabled and self.position > 0:
             # Capture only after one eager step, so lazy module loading never happens during capture.
             self.plan.with_cuda_graph()
             self._graph_enabled = True
-        self.plan.execute()
-        self.position += 1
+        self.plan.execute(steps)
+        self.position += steps
 
     def _load_token(self, token: int) -> None:
         """Checks room and id, then writes the token where the embedding task reads it."""
@@ -165,88 +175,108 @@ class Engine:
         """Greedy or sampled continuation of ``prompt_ids`` (the sampler was fixed at construction).
 
         Decode steps are pipelined: each step reads its input token from the device buffer the previous step
-        wrote, so step k + 1 is launched before the host reads token k back, and the device does not wait for
-        the host's read, callbacks or next launch (on the H200 those took ~120 us of a 1.47 ms step:
-        results/NOTES.md, v4k). A step launched ahead of a stop token is discarded (position and token buffer
-        restored), so the engine's state is that of a plain token-by-token loop, but for last_logits(), which
-        then holds the discarded step's. ``on_logits`` needs each step's logits before the next step
-        overwrites them: with it, steps run one at a time.
+        wrote, so the next steps are launched before the host reads this step's token back, and the device
+        does not wait for the host's read, callbacks or next launch (on the H200 those took ~120 us of a
+        1.47 ms step: results/NOTES.md, v4k). Steps go out ``steps_per_graph`` at a time (one CUDA-graph
+        replay each; the last launch takes what is left of max_new_tokens); every step logs its token
+        (Activations.token_log), which the host reads once per launch. Steps launched past a stop token are
+        discarded (position and token buffer restored), so the engine's state is that of a plain
+        token-by-token loop, but for last_logits(), which then holds the last discarded step's.
+        ``on_logits`` needs each step's logits before the next step overwrites them: with it, steps run one
+        at a time.
         """
         if not prompt_ids:
             raise InputError("the prompt is empty: give at least one token")
         self._check_room(len(prompt_ids) + max_new_tokens - 1)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        reader = _TokenReader(self.act.tokens)
+        chunk = self.options.steps_per_graph
+        reader = _TokenReader(self.act.token_log, chunk)
         sync()
         t0 = time.perf_counter()
         for tok in prompt_ids:
             self._load_token(tok)
             self._execute()
-        pending = reader.enqueue()
+        first = self.position  # out[i] is the token logged for position first + i
+        pending = reader.enqueue(first, 1)
         sync()
         stats.prefill_s = time.perf_counter() - t0
         out: list[int] = []
+        launched = 1  # tokens whose steps are launched (the prompt's last step chose the first)
         t1 = time.perf_counter()
         while True:
-            ahead = on_logits is None and len(out) + 1 < max_new_tokens
-            if ahead:  # the next step, launched before this step's token is read back
-                self._execute()
-                following = reader.enqueue()
-            nxt = reader.read(pending)
-            out.append(nxt)
-            if on_logits is not None:
-                on_logits(self.last_logits())
-            if on_token is not None:
-                on_token(nxt)
-            if len(out) >= max_new_tokens or nxt in stop_ids:
-                if ahead:
-                    self._discard_step(nxt)
+            following = None
+            if on_logits is None and launched < max_new_tokens:  # launched before `pending` is read back
+                n = min(chunk, max_new_tokens - launched)
+                following = self._launch_logged(reader, n)
+                launched += n
+            done = False
+            for nxt in reader.read(pending):
+                out.append(nxt)
+                if on_logits is not None:
+                    on_logits(self.last_logits())
+                if on_token is not None:
+                    on_token(nxt)
+                if len(out) >= max_new_tokens or nxt in stop_ids:
+                    done = True
+                    break
+            if done:
+                self._rewind(first + len(out) - 1, out[-1])
                 break
-            if ahead:
-                pending = following
-            else:
-                self._execute()
-                pending = reader.enqueue()
+            if following is None:
+                following = self._launch_logged(reader, 1)
+                launched += 1
+            pending = following
         sync()
         stats.decode_s = time.perf_counter() - t1
         stats.generated_tokens = len(out)
         return out, stats
 
-    def _discard_step(self, chosen: int) -> None:
-        """Undoes the last launched step (it ran ahead of a stop token); its KV row is overwritten later."""
-        self.position -= 1
-        self.act.position.fill_(self.position)
-        self.act.tokens[0] = chosen
+    def _launch_logged(self, reader: _TokenReader, steps: int) -> int:
+        """Launches ``steps`` decode steps and queues the read-back of the tokens they log; returns its slot."""
+        first = self.position + 1
+        self._execute(steps)
+        return reader.enqueue(first, steps)
+
+    def _rewind(self, position: int, chosen: int) -> None:
+        """Discards the steps launched past ``position`` (they ran ahead of a stop token or the token limit),
+        so the state is that of a token-by-token loop that stopped there; their KV rows are overwritten later."""
+        if self.position != position:
+            self.position = position
+            self.act.position.fill_(position)
+            self.act.tokens[0] = chosen
 
     def close(self) -> None:
         self.plan.close()
 
 
 class _TokenReader:
-    """Reads the chosen token back without stalling the device's stream.
+    """Reads the chosen tokens back without stalling the device's stream.
 
-    Each enqueue() copies the token buffer into its own pinned host slot behind the step that wrote it and
-    records an event, so the next step can be queued before the host waits for this one. Two slots suffice:
-    at most one step runs ahead of the token being read.
+    Each enqueue() copies entries of the token log into its own pinned host slot behind the steps that wrote
+    them and records an event, so that further steps can be queued before the host waits for these. Two slots
+    suffice: at most one launch runs ahead of the tokens being read.
     """
 
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self._tokens = tokens
-        self._cuda = tokens.device.type == "cuda"
-        self._host = torch.zeros(2, dtype=tokens.dtype, pin_memory=self._cuda)
+    def __init__(self, token_log: torch.Tensor, max_steps: int) -> None:
+        self._log = token_log
+        self._cuda = token_log.device.type == "cuda"
+        self._host = torch.zeros(2, max_steps, dtype=token_log.dtype, pin_memory=self._cuda)
         self._events = [torch.cuda.Event() for _ in range(2)] if self._cuda else []
+        self._counts = [0, 0]
         self._next = 0
 
-    def enqueue(self) -> int:
+    def enqueue(self, first: int, n: int) -> int:
+        """Slot of the tokens logged at positions first .. first + n - 1."""
         slot = self._next
         self._next ^= 1
-        self._host[slot : slot + 1].copy_(self._tokens[:1], non_blocking=self._cuda)
+        self._counts[slot] = n
+        self._host[slot, :n].copy_(self._log[first : first + n], non_blocking=self._cuda)
         if self._cuda:
             self._events[slot].record()
         return slot
 
-    def read(self, slot: int) -> int:
+    def read(self, slot: int) -> list[int]:
         if self._cuda:
             self._events[slot].synchronize()
-        return int(self._host[slot])
+        return self._host[slot, : self._counts[slot]].tolist()

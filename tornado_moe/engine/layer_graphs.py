@@ -190,6 +190,7 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     else:
         g.task("sample", "sample", logits, next_token, cfg.vocab, sampler.temperature, sampler.top_p,
                sampler.top_k, u64_as_int64(sampler.seed), act.position)
-    g.task("advance_position", "advance_position", act.position, T)
+    g.task("advance_position", "advance_position", act.position, T, next_token, act.token_log,
+           act.token_log.numel())
     g.transfer_to_host(DataTransferMode.EVERY_EXECUTION, next_token)
     return g.snapshot()

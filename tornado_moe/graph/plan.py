@@ -22,7 +22,8 @@ class ExecutionPlan:
 
     ``with_cuda_graph()``: the first ``execute()`` captures every task of every graph into one CUDA graph
     and replays it; later calls replay it (state that changes per step must live in device memory, e.g. the
-    position). Execute the plan eagerly at least once before, so capture never loads modules lazily.
+    position; ``execute(steps)`` has one graph per step count). Execute the plan eagerly at least once
+    before, so capture never loads modules lazily.
     ``with_profiler()``: per-task launch counts and kernel time (see ProfilerResult).
     """
 
@@ -60,10 +61,14 @@ class ExecutionPlan:
         self._program.disable_profiler()
         return self
 
-    def execute(self) -> ExecutionPlan:
+    def execute(self, steps: int = 1) -> ExecutionPlan:
+        """Runs the graphs ``steps`` times over (with a CUDA graph: one replay of a graph of that many steps,
+        so that the device does not wait between them for the host's next launch)."""
         if self._closed:
             raise RuntimeError("execution plan is closed")
-        self._program.launch_all(stream_handle(self.device))
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        self._program.launch_all(stream_handle(self.device), steps)
         return self
 
     def execute_task(self, graph_index: int, task_index: int) -> None:

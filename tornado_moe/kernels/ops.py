@@ -87,7 +87,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                                 "ffn"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
-    "advance_position": ("pos", "delta"),
+    "advance_position": ("pos", "delta", "token", "log", "log_len"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNEL_ARGS)
 
@@ -488,8 +488,10 @@ def sample(
     _ops().sample(logits, out, vocab, temperature, top_p, top_k, folded, step, stream_of(out))
 
 
-def advance_position(pos: torch.Tensor, delta: int) -> None:
-    _ops().advance_position(pos, delta, stream_of(pos))
+def advance_position(pos: torch.Tensor, delta: int, token: torch.Tensor | None = None,
+                     log: torch.Tensor | None = None, log_len: int = 0) -> None:
+    """pos[0] += delta; with ``log``, log[new pos] = token[0] when the new position is below ``log_len``."""
+    _ops().advance_position(pos, delta, token, log, log_len, stream_of(pos))
 
 
 @dataclass(frozen=True)

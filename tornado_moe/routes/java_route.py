@@ -241,16 +241,17 @@ class JavaProgram:
             self._plan.withStream(stream)
             self._stream = stream
 
-    def launch_all(self, stream: int) -> None:
-        """Every task of every graph, in order, on ``stream`` (CUDA graphs on: capture once, then replay)."""
+    def launch_all(self, stream: int, steps: int = 1) -> None:
+        """Every task of every graph, in order, ``steps`` times over, on ``stream`` (CUDA graphs on: one graph
+        per step count, captured once, then replayed)."""
         with _java_errors(self._j):
             if self._use_graph:
-                self._launch_graph(stream)
+                self._launch_graph(stream, steps)
             else:
                 self._set_stream(stream)
-                self._plan.execute()
+                self._plan.execute(steps)
 
-    def _launch_graph(self, stream: int) -> None:
+    def _launch_graph(self, stream: int, steps: int) -> None:
         caller = (torch.cuda.ExternalStream(stream, device=self.device) if stream
                   else torch.cuda.default_stream(self.device))
         if self._graph_stream is None:
@@ -258,7 +259,7 @@ class JavaProgram:
         side = self._graph_stream
         side.wait_stream(caller)
         self._set_stream(side.cuda_stream)
-        self._plan.execute()
+        self._plan.execute(steps)
         caller.wait_stream(side)
 
     def launch_task(self, graph_index: int, task_index: int, stream: int) -> None:

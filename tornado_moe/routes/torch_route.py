@@ -34,7 +34,7 @@ class TorchProgram:
         self._rows = [TaskProfile(g.name, t.name, t.kernel) for g in self.graphs for t in g.tasks]
         self._profile = False
         self._use_graph = False
-        self._cuda_graph: torch.cuda.CUDAGraph | None = None
+        self._cuda_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> its graph
         self._replays = 0
         self._replay_ns = 0
 
@@ -54,19 +54,22 @@ class TorchProgram:
             for fn, args in calls:
                 fn(*args, stream)
 
-    def launch_all(self, stream: int) -> None:
+    def launch_all(self, stream: int, steps: int = 1) -> None:
+        """Every task of every graph, ``steps`` times over (with CUDA graphs: one replay of a graph that holds
+        them all, captured at its first use)."""
         if self._use_graph:
-            if self._cuda_graph is None:
-                self._capture()
-            self._replay()
-        elif self._profile:
-            i = 0
-            for gi, calls in enumerate(self._calls):
-                for ti in range(len(calls)):
-                    self._timed(i, gi, ti, stream)
-                    i += 1
-        else:
-            self._launch_eager(stream)
+            graph = self._cuda_graphs.get(steps) or self._capture(steps)
+            self._replay(graph, steps)
+            return
+        for _ in range(steps):
+            if self._profile:
+                i = 0
+                for gi, calls in enumerate(self._calls):
+                    for ti in range(len(calls)):
+                        self._timed(i, gi, ti, stream)
+                        i += 1
+            else:
+                self._launch_eager(stream)
 
     def launch_task(self, graph_index: int, task_index: int, stream: int) -> None:
         fn, args = self._calls[graph_index][task_index]
@@ -87,31 +90,33 @@ class TorchProgram:
             r.time_ns += time.perf_counter_ns() - t0
         r.launches += 1
 
-    def _capture(self) -> None:
+    def _capture(self, steps: int) -> torch.cuda.CUDAGraph:
         # No warm-up run here: a step has side effects (KV append, position advance). Callers execute the
         # plan eagerly at least once before enabling graphs, so every kernel module is already loaded.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._launch_eager(torch.cuda.current_stream(self.device).cuda_stream)
-        self._cuda_graph = graph
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            for _ in range(steps):
+                self._launch_eager(stream)
+        self._cuda_graphs[steps] = graph
+        return graph
 
-    def _replay(self) -> None:
-        assert self._cuda_graph is not None
+    def _replay(self, graph: torch.cuda.CUDAGraph, steps: int) -> None:
         if self._profile:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._cuda_graph.replay()
+            graph.replay()
             end.record()
             end.synchronize()
             self._replay_ns += int(start.elapsed_time(end) * 1e6)
             for r in self._rows:
-                r.launches += 1
+                r.launches += steps
         else:
-            self._cuda_graph.replay()
-        self._replays += 1
+            graph.replay()
+        self._replays += steps
 
     def profiler_rows(self) -> tuple[list[TaskProfile], int, int]:
         return self._rows, self._replays, self._replay_ns
 
     def close(self) -> None:
-        self._cuda_graph = None
+        self._cuda_graphs.clear()

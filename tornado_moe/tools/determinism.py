@@ -4,6 +4,10 @@ bitwise identical tokens and logits.
 Each run records the generated token ids and every step's logits row (float32, copied to the host as the
 engine produces it) and reduces them to two sha256 digests: tokens (int32 little-endian bytes) and logits
 (all rows' bytes concatenated in step order). Every run is compared with the first run of the first variant.
+Reading each step's logits makes generate() run one step at a time, so every run is then repeated as
+generate() runs without a reader (steps launched several at a time, one CUDA graph per launch): its tokens,
+and the state both runs leave (every KV-cache row written and the last logits), must be those of the stepwise
+run.
 
 On a difference, the run pair that diverges earliest is localized: its first diverging step (the first step
 whose token or logits row differs), then, by re-running both sides eagerly token by token over the common
@@ -49,6 +53,9 @@ class RunTrace:
     tokens: list[int] = field(default_factory=list)
     step_digests: list[str] = field(default_factory=list)
     logits_sha256: str = ""
+    state_sha256: str = ""  # KV-cache rows and last logits after the stepwise run
+    pipelined_tokens: list[int] = field(default_factory=list)  # the same generation without a logits reader
+    pipelined_state_sha256: str = ""
 
     @property
     def tokens_sha256(self) -> str:
@@ -57,12 +64,29 @@ class RunTrace:
     def as_dict(self) -> dict[str, Any]:
         return {"variant": self.variant.name, "run": self.run, "seed": self.seed,
                 "tokens_sha256": self.tokens_sha256, "logits_sha256": self.logits_sha256,
+                "state_sha256": self.state_sha256,
+                "pipelined_tokens_sha256": tokens_digest(self.pipelined_tokens),
+                "pipelined_state_sha256": self.pipelined_state_sha256,
                 "n_tokens": len(self.tokens), "tokens": list(self.tokens)}
+
+    @property
+    def pipelined_matches(self) -> bool:
+        return self.pipelined_tokens == self.tokens and self.pipelined_state_sha256 == self.state_sha256
+
+
+def _state_digest(engine: Any) -> str:
+    """sha256 of every KV-cache row below the engine's position (layer order) and of the last logits row."""
+    h = hashlib.sha256()
+    for cache in (*engine.act.k_cache, *engine.act.v_cache):
+        h.update(_row_bytes(cache[: engine.position]))
+    h.update(_row_bytes(engine.last_logits()))
+    return h.hexdigest()
 
 
 def _trace_run(engine: Any, variant: Variant, run: int, seed: int, prompt_ids: Sequence[int],
                n_tokens: int) -> RunTrace:
-    """One generation on ``engine`` from position 0, with the digest of every step's logits row."""
+    """One generation on ``engine`` from position 0, with the digest of every step's logits row, then the
+    same generation pipelined (no logits reader)."""
     engine.reset()
     tr = RunTrace(variant, run, seed)
     h = hashlib.sha256()
@@ -74,6 +98,10 @@ def _trace_run(engine: Any, variant: Variant, run: int, seed: int, prompt_ids: S
 
     tr.tokens, _ = engine.generate(prompt_ids, n_tokens, on_logits=on_logits)
     tr.logits_sha256 = h.hexdigest()
+    tr.state_sha256 = _state_digest(engine)
+    engine.reset()
+    tr.pipelined_tokens, _ = engine.generate(prompt_ids, n_tokens)
+    tr.pipelined_state_sha256 = _state_digest(engine)
     return tr
 
 
@@ -190,6 +218,12 @@ def check_determinism(model: Any, variants: Sequence[Variant], device: str, prom
         if d is not None:
             mismatches.append({"variant": tr.variant.name, "run": tr.run, "step": d[0], "kind": d[1],
                                "_t": tr})
+    # a pipelined run that differs from its own stepwise run (its "step": the first differing token, or the
+    # token count when only the state differs); not localized: the eager re-runs are stepwise too
+    pipelined = [{"variant": tr.variant.name, "run": tr.run, "kind": "pipelined",
+                  "step": next((s for s, (a, b) in enumerate(zip(tr.tokens, tr.pipelined_tokens)) if a != b),
+                               min(len(tr.tokens), len(tr.pipelined_tokens)))}
+                 for tr in traces if not tr.pipelined_matches]
     divergence = None
     if mismatches:
         worst = min(mismatches, key=lambda m: m["step"])  # earliest; ties: first in run order
@@ -199,6 +233,7 @@ def check_determinism(model: Any, variants: Sequence[Variant], device: str, prom
                               sampler, max_context)
     for m in mismatches:
         del m["_t"]
+    mismatches += pipelined
     return {
         "prompt_tokens": len(prompt_ids),
         "max_tokens": n_tokens,
@@ -219,12 +254,19 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{r['logits_sha256'][:16]:<18} {r['n_tokens']:>5}")
     if report["identical"]:
         n = len(report["runs"])
-        lines.append(f"identical: all {n} runs give bitwise identical tokens and logits")
+        lines.append(f"identical: all {n} runs give bitwise identical tokens and logits, and each one run again "
+                     "pipelined (steps launched several at a time) gives its tokens, KV cache and last logits")
         return "\n".join(lines)
     for m in report["mismatches"]:
-        lines.append(f"DIFFERENT: {m['variant']} run {m['run']} diverges from the first run at step "
-                     f"{m['step']} ({m['kind']})")
+        if m["kind"] == "pipelined":
+            lines.append(f"DIFFERENT: {m['variant']} run {m['run']} run pipelined differs from its stepwise run "
+                         f"(first differing token: {m['step']}; else the KV cache or the last logits)")
+        else:
+            lines.append(f"DIFFERENT: {m['variant']} run {m['run']} diverges from the first run at step "
+                         f"{m['step']} ({m['kind']})")
     d = report["divergence"]
+    if d is None:
+        return "\n".join(lines)
     lines.append(f"first divergence: {d['variants'][0]} run {d['runs'][0]} vs {d['variants'][1]} run "
                  f"{d['runs'][1]}, step {d['step']} ({d['kind']}), layer {d['layer']}: {d.get('note', '')}")
     return "\n".join(lines)

@@ -152,6 +152,6 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         return TaskBytes(0, F32 * T * a["vocab"] + I32 * T)
     if k == "sample":
         return TaskBytes(0, F32 * a["vocab"] + 2 * I32)
-    if k == "advance_position":
-        return TaskBytes(0, 2 * I32)
+    if k == "advance_position":  # the position read and written; with a log, the token read and logged
+        return TaskBytes(0, (4 if a["log"] is not None else 2) * I32)
     raise ValueError(f"task {task.name!r}: no byte model for kernel {k!r}")

@@ -4,14 +4,15 @@ Every variant must produce bitwise identical tokens and logits (the determinism 
 measure what each one costs. A comma list such as ``fused,per-slot,graphs`` selects them: naming both
 values of a pair (fused/per-slot, eager/graphs, torch/java, tiled/gguf-layout weights) makes that pair an
 axis of the comparison; naming one value fixes the axis to it; an axis not named keeps the device's
-default. The variants are the product of the axes, in a fixed order.
+default. The variants are the product of the axes, in a fixed order; a list of steps per CUDA graph
+(``--steps-per-graph 1,8``) multiplies them once more.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,19 +39,23 @@ VARIANT_NAMES: tuple[str, ...] = tuple(v for pair in AXES.values() for v in pair
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of running the same model: the four choices an EngineOptions takes."""
+    """One way of running the same model: the choices an EngineOptions takes."""
 
     fuse_experts: bool = True
     cuda_graphs: bool = False
     route: str = "torch"
     tile_weights: bool = True
+    steps_per_graph: int | None = None  # None: the engine's default
 
     @property
     def name(self) -> str:
         """E.g. ``fused/graphs/torch``: stable, used as the key in every report. The default tiled weights
-        are not named; ``/gguf-layout`` marks Q8_0 weights read in the file's layout on CUDA."""
+        are not named; ``/gguf-layout`` marks Q8_0 weights read in the file's layout on CUDA, ``/N-step``
+        a steps-per-graph count that was asked for."""
         name = "/".join((self.experts, "graphs" if self.cuda_graphs else "eager", self.route))
-        return name if self.tile_weights else name + "/gguf-layout"
+        if not self.tile_weights:
+            name += "/gguf-layout"
+        return name if self.steps_per_graph is None else f"{name}/{self.steps_per_graph}-step"
 
     @property
     def experts(self) -> str:
@@ -58,12 +63,15 @@ class Variant:
 
     def as_dict(self) -> dict[str, object]:
         return {"variant": self.name, "fuse_experts": self.fuse_experts, "cuda_graphs": self.cuda_graphs,
-                "route": self.route, "tile_weights": self.tile_weights}
+                "route": self.route, "tile_weights": self.tile_weights,
+                "steps_per_graph": self.engine_options("cpu").steps_per_graph}
 
     def engine_options(self, device: str, **kw: Any) -> EngineOptions:
         """EngineOptions for this variant on ``device``; ``kw`` sets the other fields (sampler, ...)."""
         from tornado_moe.engine import EngineOptions
 
+        if self.steps_per_graph is not None:
+            kw["steps_per_graph"] = self.steps_per_graph
         return EngineOptions(device=device, route=self.route, fuse_experts=self.fuse_experts,
                              cuda_graphs=self.cuda_graphs, tile_weights=self.tile_weights, **kw)
 
@@ -73,8 +81,10 @@ def default_variant(device: torch.device) -> Variant:
     return Variant(fuse_experts=True, cuda_graphs=device.type == "cuda", route="torch")
 
 
-def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--compare") -> list[Variant]:
-    """The variants a comma list selects (see the module docstring); ``None``/empty: the default only."""
+def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--compare",
+                   steps_per_graph: Sequence[int] | None = None) -> list[Variant]:
+    """The variants a comma list selects (see the module docstring); ``None``/empty: the default only.
+    ``steps_per_graph``: each variant once per count (None: the engine's default, not named)."""
     base = default_variant(device)
     names = [s.strip() for s in (spec or "").split(",") if s.strip()]
     unknown = [n for n in names if n not in VARIANT_NAMES]
@@ -89,8 +99,10 @@ def parse_variants(spec: str | None, device: torch.device, *, flag: str = "--com
         values.append(chosen or [defaults[axis]])
     if "graphs" in values[1] and device.type != "cuda":
         raise InputError(f"{flag}: 'graphs' (CUDA graphs) needs --device cuda; this run is on {device.type}")
-    return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r, tile_weights=w == "tiled")
-            for e, x, r, w in itertools.product(*values)]
+    steps: Sequence[int | None] = steps_per_graph or [None]
+    return [Variant(fuse_experts=e == "fused", cuda_graphs=x == "graphs", route=r, tile_weights=w == "tiled",
+                    steps_per_graph=k)
+            for e, x, r, w, k in itertools.product(*values, steps)]
 
 
 def free_device_memory() -> None:

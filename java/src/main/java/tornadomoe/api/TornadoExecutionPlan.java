@@ -2,6 +2,7 @@ package tornadomoe.api;
 
 import java.util.ArrayList;
 import java.util.Collections;
+import java.util.HashMap;
 import java.util.HashSet;
 import java.util.IdentityHashMap;
 import java.util.List;
@@ -26,8 +27,10 @@ import tornadomoe.runtime.TornadoKernelException;
  *       default stream; ignored on the CPU).</li>
  *   <li>{@link #withCUDAGraph()}: the next {@link #execute()} captures every task of every graph into one
  *       CUDA graph (whole-stream capture through the native functions) and launches it; later executions
- *       replay it. Capture needs a stream other than the legacy default one. Values that change per step
- *       must live in device memory (the kernels read positions from memory for this reason).</li>
+ *       replay it. {@link #execute(int)} runs the tasks several times over, as one graph of that many
+ *       steps (one graph per step count, each captured at its first use). Capture needs a stream other than
+ *       the legacy default one. Values that change per step must live in device memory (the kernels read
+ *       positions from memory for this reason).</li>
  *   <li>{@link #withProfiler(ProfilerMode)}: launches and time per task, see {@link TornadoProfilerResult}.</li>
  * </ul>
  * Before every execution the plan checks that no buffer was released. A closed plan refuses everything
@@ -42,7 +45,7 @@ public final class TornadoExecutionPlan implements AutoCloseable {
     private Device device;
     private long stream;
     private boolean useCudaGraph;
-    private long graphExec;
+    private final Map<Integer, Long> graphExecs = new HashMap<>();  // steps per replay -> executable graph
     private ProfilerMode profilerMode;
     private Profile cumulative;
     private boolean closed;
@@ -182,7 +185,22 @@ public final class TornadoExecutionPlan implements AutoCloseable {
      * @throws TornadoKernelException when a launch fails (the message names graph, task and kernel)
      */
     public synchronized TornadoExecutionResult execute() {
+        return execute(1);
+    }
+
+    /**
+     * Runs every task of every graph {@code steps} times over, in order: with a CUDA graph, one replay of a
+     * graph that holds all the steps.
+     *
+     * @throws IllegalArgumentException when {@code steps} is below 1
+     * @throws IllegalStateException as {@link #execute()}
+     * @throws TornadoKernelException as {@link #execute()}
+     */
+    public synchronized TornadoExecutionResult execute(int steps) {
         checkOpen();
+        if (steps < 1) {
+            throw new IllegalArgumentException("steps must be at least 1, got " + steps);
+        }
         for (int i = 0; i < tasks.length; i++) {
             tasks[i].getPackedArguments().checkLive(contexts[i]);
         }
@@ -197,17 +215,21 @@ public final class TornadoExecutionPlan implements AutoCloseable {
                 throw new IllegalStateException("CUDA graph capture needs a created stream: call withStream(handle); "
                         + "the legacy default stream (0) cannot be captured");
             }
-            if (graphExec == 0) {
-                capture();
+            Long graphExec = graphExecs.get(steps);
+            if (graphExec == null) {
+                graphExec = capture(steps);
+                graphExecs.put(steps, graphExec);
             }
-            replayGraph(p);
+            replayGraph(graphExec, steps, p);
             replay = true;
         } else {
             if (p != null) {
                 synchronize();
             }
-            for (int i = 0; i < tasks.length; i++) {
-                launch(i, p);
+            for (int s = 0; s < steps; s++) {
+                for (int i = 0; i < tasks.length; i++) {
+                    launch(i, p);
+                }
             }
         }
         return finish(p, replay);
@@ -272,11 +294,13 @@ public final class TornadoExecutionPlan implements AutoCloseable {
         NativeKernels.synchronize(device.id(), stream);
     }
 
-    private void capture() {
+    private long capture(int steps) {
         NativeKernels.beginCapture(stream);
         try {
-            for (int i = 0; i < tasks.length; i++) {
-                launch(i, null);
+            for (int s = 0; s < steps; s++) {
+                for (int i = 0; i < tasks.length; i++) {
+                    launch(i, null);
+                }
             }
         } catch (RuntimeException e) {
             // End the capture so the stream is usable again; the partial graph is discarded.
@@ -290,10 +314,10 @@ public final class TornadoExecutionPlan implements AutoCloseable {
             }
             throw e;
         }
-        graphExec = NativeKernels.endCapture(stream);
+        return NativeKernels.endCapture(stream);
     }
 
-    private void replayGraph(Profile p) {
+    private void replayGraph(long graphExec, int steps, Profile p) {
         if (p == null) {
             NativeKernels.launchGraph(graphExec, stream);
             return;
@@ -303,16 +327,16 @@ public final class TornadoExecutionPlan implements AutoCloseable {
         NativeKernels.launchGraph(graphExec, stream);
         synchronize();
         p.graphNanos += System.nanoTime() - t0;
-        p.graphReplays++;
+        p.graphReplays += steps;
         for (int i = 0; i < tasks.length; i++) {
-            p.launches[i]++;
+            p.launches[i] += steps;
         }
     }
 
     private void dropCudaGraph() {
-        if (graphExec != 0) {
-            long g = graphExec;
-            graphExec = 0;
+        List<Long> execs = new ArrayList<>(graphExecs.values());
+        graphExecs.clear();
+        for (long g : execs) {
             NativeKernels.destroyGraph(g);
         }
     }
@@ -372,7 +396,7 @@ public final class TornadoExecutionPlan implements AutoCloseable {
 
     /** True once a CUDA graph has been captured (and not dropped since). */
     public synchronized boolean hasCUDAGraph() {
-        return graphExec != 0;
+        return !graphExecs.isEmpty();
     }
 
     public synchronized boolean isProfilerEnabled() {

@@ -48,7 +48,7 @@ public final class TornadoProfilerResult {
         return n;
     }
 
-    /** CUDA-graph replays (the capturing execution's launch included). */
+    /** Steps run by CUDA-graph replays (the capturing execution's launch included; a graph may hold several). */
     public long getCudaGraphReplays() {
         return cudaGraphReplays;
     }

@@ -86,6 +86,19 @@ public class ProfilerTest {
     }
 
     @Test
+    public void severalStepsRunEveryTaskThatManyTimes() {
+        try (TornadoExecutionPlan plan = new TornadoExecutionPlan(first, second)) {
+            plan.withProfiler(ProfilerMode.SILENT);
+            TornadoExecutionResult r = plan.execute(4);
+            assertEquals(12, r.getProfilerResult().getKernelCount());
+            assertEquals(4, plan.getProfilerResult().getTaskProfile("layer0", "norm").getLaunches());
+            assertEquals(4, plan.getProfilerResult().getTaskProfile("logits", "argmax").getLaunches());
+            IllegalArgumentException none = assertThrows(IllegalArgumentException.class, () -> plan.execute(0));
+            assertTrue(none.getMessage(), none.getMessage().contains("at least 1"));
+        }
+    }
+
+    @Test
     public void consoleModePrintsEachExecution() {
         PrintStream saved = System.out;
         ByteArrayOutputStream captured = new ByteArrayOutputStream();

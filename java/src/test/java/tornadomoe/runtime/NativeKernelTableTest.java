@@ -52,7 +52,7 @@ public class NativeKernelTableTest {
                                                               // down act ids weights? h? x, 5 ints
         m.put("argmax", "ppii");                // logits out n_tokens vocab
         m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
-        m.put("advance_position", "pi");        // pos delta
+        m.put("advance_position", "pinni");     // pos delta token log log_len
         return m;
     }
 
