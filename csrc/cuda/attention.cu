@@ -101,12 +101,6 @@ constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
 #endif
-// Measurement knob (results/NOTES.md lesson 79): rank 0 of a one-block context computes on the position peeked
-// before pdl_wait (exact in a decode step, whose position was advanced three kernels earlier) and checks it
-// against the one read after the wait before writing, so the position's round trip leaves the critical path.
-#ifndef TM_ATT_SPEC_POS
-#define TM_ATT_SPEC_POS 0
-#endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -155,9 +149,9 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     int64_t n = p0 + t + 1;
     return n > max_ctx ? max_ctx : (n < 0 ? 0 : n);
   };
-  // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
-  const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
   {
+    // Before pdl_wait: pull this worker's cache rows towards L2 (a hint; a stale position only misses).
+    const int64_t n_guess = context(static_cast<int64_t>(peek_before_wait(pos)));
     const int64_t lines = (head_dim * 4 + 127) / 128;
     for (int64_t tile = rank * kAttWarps + warp; tile * kAttTile < n_guess; tile += kAttWorkers) {
       const int64_t j = tile * kAttTile + lane;
@@ -170,17 +164,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     }
   }
   pdl_begin();
-#if TM_ATT_SPEC_POS  // (a preprocessor block: the product's PTX stays as measured)
-  // Rank 0 starts on the peeked context while the position's round trip is in flight, and checks it before it
-  // writes; on a mismatch it starts over with the position read after the wait (every other rank decided on
-  // that one, so a context that needs the cluster merge finds all ranks in it).
-  const int64_t n_read = context(static_cast<int64_t>(pos[0]));
-  const bool spec = TM_ATT_ONE_BLOCK && rank == 0 && n_guess <= static_cast<int64_t>(kAttWarps) * kAttTile;
-  int64_t n_pos = spec ? n_guess : n_read;
-  for (;;) {
-#else
   const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
-#endif
   // Every tile in rank 0 (worker g = rank * 4 + warp takes tile g first): the other blocks' partials would be
   // empty (m = -inf, l = 0, acc = +0), so no block needs the cluster barriers or the remote reads.
   const bool one_block = TM_ATT_ONE_BLOCK && n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
@@ -304,12 +288,6 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     // The cluster merge below with block 0's term alone: the empty blocks' terms are +0 products added to sums
     // that are never -0 (each starts at +0), which leaves every bit as it is, so this is that merge's result.
     __syncthreads();
-#if TM_ATT_SPEC_POS
-    if (n_pos != n_read) {  // the peek was stale: every thread passed the barrier, so the partials may be rewritten
-      n_pos = n_read;
-      continue;
-    }
-#endif
     const float m0 = blk[0];
     const float w0 = m0 == -INFINITY ? 0.0f : expf(__fsub_rn(m0, m0));
     const float big_l = __fadd_rn(0.0f, __fmul_rn(blk[1], w0));
@@ -356,10 +334,6 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     }
   }
   cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
-#if TM_ATT_SPEC_POS
-  return;
-  }
-#endif
 }
 
 template <int DPL>
