@@ -283,16 +283,18 @@ def test_llama_tornado_translates_its_flags(text_model: Path) -> None:
     help_text = subprocess.run([*launcher, "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ("--model", "--prompt", "--system-prompt", "--temperature", "--top-p", "--seed",
                  "--max-tokens", "--stream", "--echo", "--interactive", "--instruct", "--gpu", "--profiler",
-                 "--profiler-dump-dir", "--verbose-init", "--route", "--cuda-graphs", "--per-slot"):
+                 "--profiler-dump-dir", "--verbose-init", "--route", "--cuda-graphs", "--steps-per-graph",
+                 "--per-slot"):
         assert flag in help_text, flag
     shown = subprocess.run([*launcher, "--model", "m.gguf", "--gpu", "-n", "9", "--stream", "false", "--echo",
-                            "true", "--instruct", "-sp", "sys", "--prompt", "hi", "--show-command"],
+                            "true", "--instruct", "-sp", "sys", "--prompt", "hi", "--steps-per-graph", "4",
+                            "--show-command"],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     words = shown.stdout.split()
     assert words[:4] == [sys.executable, "-m", "tornado_moe.cli.main", "generate"]
     for pair in (("--device", "cuda"), ("--max-tokens", "9"), ("--model", "m.gguf"),
-                 ("--system-prompt", "sys")):
+                 ("--system-prompt", "sys"), ("--steps-per-graph", "4")):
         assert words[words.index(pair[0]) + 1] == pair[1]
     assert {"--no-stream", "--echo", "--instruct"} <= set(words)
 

@@ -231,7 +231,7 @@ def test_profile_bad_variants(variants: str, frags: list[str], tiny_model_path: 
 BENCH_VARIANT_KEYS = {"variant": str, "decode_tok_s_median": float, "decode_tok_s_runs": list,
                       "prefill_tok_s_median": float, "launches_per_token": int, "decode_tok_s_min": float,
                       "decode_tok_s_max": float, "decode_tok_s_stdev": float, "fuse_experts": bool,
-                      "cuda_graphs": bool, "route": str}
+                      "cuda_graphs": bool, "route": str, "steps_per_graph": int}
 
 
 def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -255,6 +255,28 @@ def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: 
         engine = Engine(tiny, EngineOptions(device="cpu", fuse_experts=v["fuse_experts"]))
         assert v["launches_per_token"] == engine.launches_per_token
     assert "decode tok/s" in out
+
+
+def test_bench_steps_per_graph_list_runs_each_count(tiny_model_path: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--steps-per-graph 1,3`` runs the variant once per count, named by it, with the same tokens; the help
+    texts state the engine's default."""
+    from tornado_moe.cli.common import STEPS_PER_GRAPH_HELP_DEFAULT
+    from tornado_moe.engine.engine import DEFAULT_STEPS_PER_GRAPH
+
+    assert STEPS_PER_GRAPH_HELP_DEFAULT == DEFAULT_STEPS_PER_GRAPH
+    js = tmp_path / "b.json"
+    rc, _, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "7",
+                         "--prompt-tokens", "3", "--repeats", "1", "--steps-per-graph", "1,3", "--json", str(js))
+    assert rc == 0, err
+    report = json.loads(js.read_text())
+    assert [(v["variant"], v["steps_per_graph"]) for v in report["variants"]] == [
+        ("fused/eager/torch/1-step", 1), ("fused/eager/torch/3-step", 3)]
+    assert report["tokens_identical_across_variants"] is True
+    with pytest.raises(SystemExit) as bad:  # argparse refuses it before anything loads
+        run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "--steps-per-graph", "2,0")
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "--steps-per-graph" in err and "positive integer" in err
 
 
 def test_bench_preset_is_written_to_the_cache_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
