@@ -127,6 +127,32 @@ def test_determinism_reports_the_first_diverging_step(tiny_model_path: Path, tin
     assert [r["seed"] for r in report["runs"]] == [seed, seed + 1]
 
 
+def test_determinism_catches_a_pipelined_run_that_differs(tiny_model_path: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run is repeated pipelined (no logits reader): a fault injected into that run's KV cache alone must
+    make the command fail and name the pipelined run."""
+    original = Engine.generate
+
+    def faulty(self: Engine, *args: object, **kw: object) -> object:
+        result = original(self, *args, **kw)
+        if kw.get("on_logits") is None:
+            self.act.k_cache[0][0, 0] += 1.0
+        return result
+
+    monkeypatch.setattr(Engine, "generate", faulty)
+    js = tmp_path / "d.json"
+    rc, out, _ = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cpu", "--runs",
+                         "1", "-n", "4", "--prompt-ids", PROMPT, "--json", str(js))
+    assert rc == 1
+    assert "run pipelined differs from its stepwise run" in out
+    report = json.loads(js.read_text())
+    assert [m["kind"] for m in report["mismatches"]] == ["pipelined"] and report["divergence"] is None
+    run = report["runs"][0]
+    assert run["pipelined_tokens_sha256"] == run["tokens_sha256"]
+    assert run["pipelined_state_sha256"] != run["state_sha256"]
+
+
 @pytest.mark.parametrize("case", ["missing", "garbage", "text_prompt", "graphs_on_cpu", "bad_variant",
                                   "too_long"])
 def test_determinism_bad_input(case: str, tiny_model_path: Path, tmp_path: Path,
@@ -267,14 +293,16 @@ def test_bench_steps_per_graph_list_runs_each_count(tiny_model_path: Path, tmp_p
     assert STEPS_PER_GRAPH_HELP_DEFAULT == DEFAULT_STEPS_PER_GRAPH
     js = tmp_path / "b.json"
     rc, _, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "7",
-                         "--prompt-tokens", "3", "--repeats", "1", "--steps-per-graph", "1,3", "--json", str(js))
+                         "--prompt-tokens", "3", "--repeats", "1", "--steps-per-graph", "1,3", "--json",
+                         str(js))
     assert rc == 0, err
     report = json.loads(js.read_text())
     assert [(v["variant"], v["steps_per_graph"]) for v in report["variants"]] == [
         ("fused/eager/torch/1-step", 1), ("fused/eager/torch/3-step", 3)]
     assert report["tokens_identical_across_variants"] is True
     with pytest.raises(SystemExit) as bad:  # argparse refuses it before anything loads
-        run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "--steps-per-graph", "2,0")
+        run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "--steps-per-graph",
+                "2,0")
     err = capsys.readouterr().err
     assert bad.value.code == 2 and "--steps-per-graph" in err and "positive integer" in err
 

@@ -72,16 +72,16 @@ STEPS_PER_GRAPH_HELP_DEFAULT = 8
 
 def add_steps_per_graph_argument(p: argparse.ArgumentParser, *, several: bool = False) -> None:
     """``--steps-per-graph``: one count, or (``several``) a comma list that runs every variant per count."""
-    what = ("decode steps launched at once, as one CUDA-graph replay with --cuda-graphs: the GPU then runs them "
-            "back to back instead of idling ~13 us at each graph boundary; tokens come back once per launch "
-            "(steps past a stop token are discarded)")
+    what = ("decode steps launched at once, as one CUDA-graph replay with --cuda-graphs: the GPU then runs "
+            "them back to back instead of idling ~13 us at each graph boundary; tokens come back once per "
+            "launch (steps past a stop token are discarded)")
     if several:
         p.add_argument("--steps-per-graph", type=_positive_int_list, metavar="N[,M...]",
                        help=f"{what}; a comma list runs every variant once per count "
                             f"(default: {STEPS_PER_GRAPH_HELP_DEFAULT})")
     else:
-        p.add_argument("--steps-per-graph", type=positive_int, default=STEPS_PER_GRAPH_HELP_DEFAULT, metavar="N",
-                       help=f"{what} (default: %(default)s)")
+        p.add_argument("--steps-per-graph", type=positive_int, default=STEPS_PER_GRAPH_HELP_DEFAULT,
+                       metavar="N", help=f"{what} (default: %(default)s)")
 
 
 def add_model_argument(p: argparse.ArgumentParser, *, presets: bool = False) -> None:

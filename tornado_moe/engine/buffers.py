@@ -83,9 +83,9 @@ class Activations:
         self.logits = torch.zeros(T, cfg.vocab, **f32)
         self.tokens = torch.zeros(T, **i32)
         self.position = torch.zeros(1, **i32)
-        # token_log[p]: the token chosen for position p (advance_position writes it; max_context + 1 entries so
-        # that the token chosen after the last position is kept too): how the host reads back the tokens of a
-        # CUDA graph that holds several decode steps
+        # token_log[p]: the token chosen for position p (advance_position writes it; max_context + 1 entries
+        # so that the token chosen after the last position is kept too): how the host reads back the tokens
+        # of a CUDA graph that holds several decode steps
         self.token_log = torch.zeros(max_context + 1, **i32)
         kv = (max_context, cfg.n_kv_heads * cfg.head_dim)
         self.k_cache = [torch.zeros(kv, **f32) for _ in range(cfg.n_layers)]

@@ -46,8 +46,8 @@ class EngineOptions:
     tile_weights: bool = True
     profiler: bool = False
     max_context: int | None = None  # default: min(model context, 4096)
-    # Decode steps generate() launches at once: with cuda_graphs, one replay of a graph that holds them all, so
-    # the device does not idle at a graph boundary between them (results/NOTES.md, v9). Tokens come back
+    # Decode steps generate() launches at once: with cuda_graphs, one replay of a graph that holds them all,
+    # so the device does not idle at a graph boundary between them (results/NOTES.md, v9). Tokens come back
     # once per such launch; past a stop token the extra steps are discarded.
     steps_per_graph: int = DEFAULT_STEPS_PER_GRAPH
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -92,7 +92,8 @@ class Engine:
         if opts.cuda_graphs and self.device.type != "cuda":
             raise DeviceError("CUDA graphs need --device cuda")
         if opts.steps_per_graph < 1:
-            raise InputError(f"steps per graph (--steps-per-graph) must be at least 1, got {opts.steps_per_graph}")
+            raise InputError("steps per graph (--steps-per-graph) must be at least 1, got "
+                             f"{opts.steps_per_graph}")
         self.max_context = min(opts.max_context or 4096, cfg.context_length)
         self.weights = DeviceModel(model, self.device, progress=opts.progress, tile=opts.tile_weights)
         self.act = Activations(cfg, self.device, max_tokens=1, max_context=self.max_context)
@@ -233,14 +234,15 @@ class Engine:
         return out, stats
 
     def _launch_logged(self, reader: _TokenReader, steps: int) -> int:
-        """Launches ``steps`` decode steps and queues the read-back of the tokens they log; returns its slot."""
+        """Launches ``steps`` decode steps and queues the read-back of the tokens they log (its slot)."""
         first = self.position + 1
         self._execute(steps)
         return reader.enqueue(first, steps)
 
     def _rewind(self, position: int, chosen: int) -> None:
-        """Discards the steps launched past ``position`` (they ran ahead of a stop token or the token limit),
-        so the state is that of a token-by-token loop that stopped there; their KV rows are overwritten later."""
+        """Discards the steps launched past ``position`` (they ran ahead of a stop token or the token
+        limit), so the state is that of a token-by-token loop that stopped there; their KV rows are
+        overwritten later."""
         if self.position != position:
             self.position = position
             self.act.position.fill_(position)

@@ -20,9 +20,9 @@ class ProfilerResult:
     """Per-task launch counts and times of an execution plan since profiling was enabled.
 
     Eager launches are timed one by one (device events around each launch on CUDA, a host clock on CPU); a
-    CUDA-graph replay counts one launch per task and step it holds, ``graph_replays`` counts the steps replayed
-    (a graph may hold several), and their time is reported for the whole replay in ``graph_replay_ns``
-    (kernels inside a replay are not separable without a device profiler).
+    CUDA-graph replay counts one launch per task and step it holds, ``graph_replays`` counts the steps
+    replayed (a graph may hold several), and their time is reported for the whole replay in
+    ``graph_replay_ns`` (kernels inside a replay are not separable without a device profiler).
     """
 
     rows: list[TaskProfile]

@@ -135,6 +135,11 @@ def run_variants(model: Any, variants: Sequence[Variant], device: str, prompt_id
     return traces
 
 
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where two token lists differ (the shorter length when one is the other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def first_divergence(a: RunTrace, b: RunTrace) -> tuple[int, str] | None:
     """(first step whose token or logits row differs, "logits" or "tokens"), or None if identical."""
     n = min(len(a.tokens), len(b.tokens))
@@ -221,8 +226,7 @@ def check_determinism(model: Any, variants: Sequence[Variant], device: str, prom
     # a pipelined run that differs from its own stepwise run (its "step": the first differing token, or the
     # token count when only the state differs); not localized: the eager re-runs are stepwise too
     pipelined = [{"variant": tr.variant.name, "run": tr.run, "kind": "pipelined",
-                  "step": next((s for s, (a, b) in enumerate(zip(tr.tokens, tr.pipelined_tokens)) if a != b),
-                               min(len(tr.tokens), len(tr.pipelined_tokens)))}
+                  "step": _first_difference(tr.tokens, tr.pipelined_tokens)}
                  for tr in traces if not tr.pipelined_matches]
     divergence = None
     if mismatches:
@@ -254,13 +258,14 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{r['logits_sha256'][:16]:<18} {r['n_tokens']:>5}")
     if report["identical"]:
         n = len(report["runs"])
-        lines.append(f"identical: all {n} runs give bitwise identical tokens and logits, and each one run again "
-                     "pipelined (steps launched several at a time) gives its tokens, KV cache and last logits")
+        lines.append(f"identical: all {n} runs give bitwise identical tokens and logits, and each one run "
+                     "again pipelined (steps launched several at a time) gives its tokens, KV cache and last "
+                     "logits")
         return "\n".join(lines)
     for m in report["mismatches"]:
         if m["kind"] == "pipelined":
-            lines.append(f"DIFFERENT: {m['variant']} run {m['run']} run pipelined differs from its stepwise run "
-                         f"(first differing token: {m['step']}; else the KV cache or the last logits)")
+            lines.append(f"DIFFERENT: {m['variant']} run {m['run']} run pipelined differs from its stepwise "
+                         f"run (first differing token: {m['step']}; else the KV cache or the last logits)")
         else:
             lines.append(f"DIFFERENT: {m['variant']} run {m['run']} diverges from the first run at step "
                          f"{m['step']} ({m['kind']})")
