@@ -18,12 +18,10 @@
  *   Partials (m, l, acc) are combined in two fixed levels:
  *   each block merges its 4 warps in warp order (M = max m_w, L = sum_w l_w exp(m_w - M), A = sum_w acc_w
  *   exp(m_w - M)), then block 0 of the cluster merges the 8 block partials in block order, read through
- *   distributed shared memory, and writes out = A / L. A context of at most 4 tiles is spread instead: tile r on
- *   warp 0 of block r, each partial stored into block 0's shared memory, which merges them in tile order with the
- *   block merge's arithmetic (the result of 4 warps of one block holding tiles 0-3) after one barrier that the
- *   other blocks arrive on. The number of workers and the tile size are constants, so the result depends only on
- *   the inputs, never on the launch or on graph capture. Shared memory: 13 x (head_dim + 2) floats and a barrier
- *   per block, independent of the context length.
+ *   distributed shared memory, and writes out = A / L (a context of at most 4 tiles is all block 0's: it writes out
+ *   itself with the same arithmetic and no block waits at a cluster barrier). The number of workers and the tile
+ *   size are constants, so the result depends only on the inputs, never on the launch or on graph capture.
+ *   Shared memory: 5 x (head_dim + 2) floats per block, independent of the context length.
  */
 #include <cooperative_groups.h>
 
@@ -98,16 +96,11 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// Shared memory of a block, in floats: the warp partials (m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]),
-// the block partial (m, l, acc[head_dim]), the spread merge's slots (kAttCluster x (m, l, acc[head_dim]), used in
-// rank 0), then that merge's barrier at an 8-byte boundary.
-__host__ __device__ inline int64_t att_bar_offset(int64_t head_dim) {
-  const int64_t floats = (kAttWarps + 1 + kAttCluster) * (head_dim + 2);
-  return floats + (floats & 1);
-}
-__host__ __device__ inline int64_t att_smem_bytes(int64_t head_dim) {
-  return static_cast<int64_t>(sizeof(float)) * att_bar_offset(head_dim) + static_cast<int64_t>(sizeof(uint64_t));
-}
+// Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
+// 0 takes the cluster merge at every length (the same bits).
+#ifndef TM_ATT_ONE_BLOCK
+#define TM_ATT_ONE_BLOCK 1
+#endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -142,7 +135,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, const int32_t* __restrict__ pos,
                      int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0) {
-  extern __shared__ float att_smem[];  // see att_bar_offset
+  extern __shared__ float att_smem[];  // m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -170,22 +163,12 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
       }
     }
   }
-  // Rank 0's barrier for the spread merge (below), initialised and made visible to the cluster before pdl_wait,
-  // where the cluster barrier costs the critical path nothing.
-  uint64_t* merge_bar = reinterpret_cast<uint64_t*>(att_smem + att_bar_offset(head_dim));
-  if (rank == 0 && threadIdx.x == 0) {
-    mbar_init(merge_bar, (kAttCluster - 1) * 32);
-    mbar_init_fence();
-  }
-  cluster.sync();
   pdl_begin();
   const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
-  // A context of at most kAttWarps tiles is spread: tile r on warp 0 of rank r, so that its key and value rows
-  // cross from L2 into as many multiprocessors as there are tiles (one multiprocessor pulling a whole context of
-  // 64-128 KB was most of attention's growth with the context: results/NOTES.md, lesson 83). The partials meet
-  // in rank 0 through its shared memory and one barrier; the arithmetic is that of the 4 warps of one block
-  // merging tiles 0-3 in order, so the bits are those of the one-block form it replaces.
-  const bool spread = n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
+  // Every tile in rank 0 (worker g = rank * 4 + warp takes tile g first): the other blocks' partials would be
+  // empty (m = -inf, l = 0, acc = +0), so no block needs the cluster barriers or the remote reads.
+  const bool one_block = TM_ATT_ONE_BLOCK && n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
+  if (one_block && rank != 0) return;
 
   float qr[DPL], acc[DPL];
 #pragma unroll
@@ -196,8 +179,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   }
   float m = -INFINITY, l = 0.0f;
   const int64_t n_tiles = (n_pos + kAttTile - 1) / kAttTile;
-  const int64_t first_tile = spread ? (warp == 0 ? rank : n_tiles) : rank * kAttWarps + warp;
-  for (int64_t tile = first_tile; tile < n_tiles; tile += kAttWorkers) {
+  for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
     const int64_t base = tile * kAttTile;
     const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
     // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
@@ -259,53 +241,6 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     m = m_new;
   }
 
-  constexpr int kDimsPerThread = (DPL * 32 + kAttWarps * 32 - 1) / (kAttWarps * 32);
-  if (spread) {
-    float* slots = att_smem + (kAttWarps + 1) * (head_dim + 2);
-    if (warp == 0) {
-      if (rank < n_tiles) {  // this tile's partial into rank 0's slot `rank`
-        float* dst = cluster.map_shared_rank(slots, 0) + rank * (head_dim + 2);
-        if (lane == 0) {
-          dst[0] = m;
-          dst[1] = l;
-        }
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + 32 * i;
-          if (d < head_dim) dst[2 + d] = acc[i];
-        }
-      }
-      if (rank != 0) mbar_arrive_cluster(merge_bar, 0);  // every lane, after its own stores
-    }
-    if (rank != 0) return;  // rank 0 reads no other block's memory: the others may leave
-    __syncthreads();        // slot 0, written by warp 0
-    mbar_wait_cluster(merge_bar, 0);
-    // The block merge's arithmetic over the tiles in order; slots past n_tiles would add +0 terms to sums that
-    // start at +0, which changes no bit, so they are not read.
-    float big_m = -INFINITY;
-    for (int64_t c = 0; c < n_tiles; ++c) big_m = fmaxf(big_m, slots[c * (head_dim + 2)]);
-    float wc[kAttWarps];
-    float big_l = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kAttWarps; ++c) {
-      const float mc = c < n_tiles ? slots[c * (head_dim + 2)] : -INFINITY;
-      wc[c] = mc == -INFINITY ? 0.0f : expf(__fsub_rn(mc, big_m));
-      if (c < n_tiles) big_l = __fadd_rn(big_l, __fmul_rn(slots[c * (head_dim + 2) + 1], wc[c]));
-    }
-#pragma unroll
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = threadIdx.x + kAttWarps * 32 * k;
-      if (d < head_dim) {
-        float a = 0.0f;
-#pragma unroll
-        for (int c = 0; c < kAttWarps; ++c)
-          if (c < n_tiles) a = __fadd_rn(a, __fmul_rn(slots[c * (head_dim + 2) + 2 + d], wc[c]));
-        out[pair * head_dim + d] = __fdiv_rn(a, big_l);
-      }
-    }
-    return;
-  }
-
   // Worker partials to shared memory; each block combines its 4 warps in warp order into a block partial, then
   // block 0 combines the 8 block partials in block order (reading them through distributed shared memory).
   // Layout: warp partials m[4], l[4], acc[4][head_dim]; block partial m, l, acc[head_dim].
@@ -321,6 +256,7 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     if (d < head_dim) my_acc[d] = acc[i];
   }
   __syncthreads();
+  constexpr int kDimsPerThread = (DPL * 32 + kAttWarps * 32 - 1) / (kAttWarps * 32);
   {
     float bm = -INFINITY;
 #pragma unroll
@@ -347,6 +283,20 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
       blk[0] = bm;
       blk[1] = bl;
     }
+  }
+  if (one_block) {
+    // The cluster merge below with block 0's term alone: the empty blocks' terms are +0 products added to sums
+    // that are never -0 (each starts at +0), which leaves every bit as it is, so this is that merge's result.
+    __syncthreads();
+    const float m0 = blk[0];
+    const float w0 = m0 == -INFINITY ? 0.0f : expf(__fsub_rn(m0, m0));
+    const float big_l = __fadd_rn(0.0f, __fmul_rn(blk[1], w0));
+#pragma unroll
+    for (int k = 0; k < kDimsPerThread; ++k) {
+      const int d = threadIdx.x + kAttWarps * 32 * k;
+      if (d < head_dim) out[pair * head_dim + d] = __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(blk[2 + d], w0)), big_l);
+    }
+    return;
   }
   cluster.sync();
   if (rank == 0) {
@@ -390,7 +340,7 @@ template <int DPL>
 int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const float* k_cache, const float* v_cache,
                      float* out, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv,
                      int64_t head_dim, int64_t max_ctx) {
-  const int64_t smem = att_smem_bytes(head_dim);
+  const int64_t smem = static_cast<int64_t>(sizeof(float)) * (kAttWarps + 1) * (head_dim + 2);
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "tm_attention: head_dim = %lld needs %lld bytes of shared memory per block, above the limit %lld",
