@@ -25,7 +25,8 @@
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
 # BENCH_STEPS (the bench stage's --steps-per-graph, e.g. `1,8`: every variant once per count);
 # TESTS_MUST_PASS=1: stop after the tests stage if a test failed; FFN_PICK=1 (see below);
-# ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
+# ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_KB_ARGS (more kernel_bench arguments,
+# e.g. `--att-contexts 16,128`), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -188,7 +189,8 @@ if want ncu; then  # NCU_TREE=<tuning name>: profile that tuning build instead o
     --launch-skip ${NCU_SKIP:-0} -c ${NCU_COUNT:-15} --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats ${NCU_SECTIONS:-} \
     $PY scripts/kernel_bench.py --reps 1 --trials 1 --layout ${NCU_LAYOUT:-tiled} \
-    --only ${NCU_ONLY:-attn_qkv,attn_output,shared_expert_gate_up,routed_experts_down,output} > "$OUT/ncu.txt" 2>&1
+    --only ${NCU_ONLY:-attn_qkv,attn_output,shared_expert_gate_up,routed_experts_down,output} ${NCU_KB_ARGS:-} \
+    > "$OUT/ncu.txt" 2>&1
   grep -E "_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles" \
     "$OUT/ncu.txt" | head -60
 fi

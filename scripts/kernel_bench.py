@@ -82,8 +82,10 @@ def graph_time_us(launch: Callable[[int], None], reps: int, trials: int) -> floa
     return statistics.median(times)
 
 
-def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
-    """(name, weight bytes per launch, builder of launch(i))."""
+def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
+            ) -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
+    """(name, weight bytes per launch, builder of launch(i)); attention once per context length (the layer
+    chain takes the first)."""
     f32 = dict(dtype=torch.float32, device="cuda")
     x = torch.randn(1, H, **f32)
     h = torch.randn(1, H, **f32)
@@ -113,9 +115,12 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
         out.append(("attn_qkv (qkv_rope)", 3 * H * rb, qkv))
     matmul("attn_q (one of q/k/v)", H, H, h, q, False)
 
-    def attention() -> Callable[[int], None]:
-        return lambda i: K.attention(q, k_cache, v_cache, attn, pos, 1, HEADS, HEADS, HD, CTX)
-    out.append(("attention (ctx 144)", 0, attention))
+    for n_ctx in att_contexts:
+        def attention(n_ctx: int = n_ctx) -> Callable[[int], None]:
+            # the position whose context is n_ctx positions long
+            at = torch.tensor([n_ctx - 1], dtype=torch.int32, device="cuda")
+            return lambda i: K.attention(q, k_cache, v_cache, attn, at, 1, HEADS, HEADS, HD, CTX)
+        out.append((f"attention (ctx {n_ctx})", 0, attention))
     matmul("attn_output (+residual)", H, H, attn, x, True)
 
     ids = torch.zeros(1, TOPK, dtype=torch.int32, device="cuda")
@@ -218,7 +223,7 @@ def kernels() -> list[tuple[str, int, Callable[[], Callable[[int], None]]]]:
     # inside the chain can differ from its time alone (results/NOTES.md, lesson 24); this is the time per
     # layer to hold against tornado-moe profile's chain per layer.
     by_name = {name: (nbytes, build) for name, nbytes, build in out}
-    parts = ["attn_qkv (qkv_rope)", "attention (ctx 144)", "attn_output (+residual)",
+    parts = ["attn_qkv (qkv_rope)", f"attention (ctx {att_contexts[0]})", "attn_output (+residual)",
              "router_experts_gate_up (router + shared + 4 of 60)",
              "experts_down_accumulate (shared + 4 of 60)"]
     ffn_parts = parts[:3] + ["router_experts_ffn (the whole FFN half)"]
@@ -248,8 +253,13 @@ def main() -> int:
     ap.add_argument("--hot-l2", action="store_true",
                     help="no weight rotation: every launch finds its weights in L2 (what an L2 prefetch of a "
                          "kernel's whole weights ahead of it could at best give)")
+    ap.add_argument("--att-contexts", default=str(POS + 1), metavar="N[,M...]",
+                    help=f"context lengths attention is timed at, 1..{CTX} (default: %(default)s)")
     ap.add_argument("--json", help="write the report as JSON")
     args = ap.parse_args()
+    att_contexts = tuple(int(n) for n in args.att_contexts.split(","))
+    if not all(1 <= n <= CTX for n in att_contexts):
+        ap.error(f"--att-contexts: every length must be in 1..{CTX}, got {args.att_contexts}")
     global QT, HOT_L2
     HOT_L2 = args.hot_l2
     if args.layout == "tiled":
@@ -263,7 +273,7 @@ def main() -> int:
     bw = copy_bandwidth_gb_s(torch.device("cuda"))  # the ceiling tornado-moe profile uses
     rows = []
     only = [o for o in args.only.split(",") if o]
-    for name, nbytes, build in kernels():
+    for name, nbytes, build in kernels(att_contexts):
         if only and not any(o in name for o in only):
             continue
         us = graph_time_us(build(), args.reps, args.trials)
