@@ -260,14 +260,20 @@ BENCH_VARIANT_KEYS = {"variant": str, "decode_tok_s_median": float, "decode_tok_
                       "cuda_graphs": bool, "route": str, "steps_per_graph": int}
 
 
-def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                           ) -> None:
+def bench_report(capsys: pytest.CaptureFixture[str], model: Path, tmp_path: Path, *argv: str
+                 ) -> tuple[dict, str]:
+    """``tornado-moe bench`` on the CPU with ``argv``: its JSON report and stdout (the run must succeed)."""
     js = tmp_path / "b.json"
-    rc, out, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "4",
-                           "--prompt-tokens", "5", "--repeats", "2", "--compare", "fused,per-slot", "--json",
+    rc, out, err = run_cli(capsys, "bench", "--model", str(model), "--device", "cpu", *argv, "--json",
                            str(js))
     assert rc == 0, err
-    report = json.loads(js.read_text())
+    return json.loads(js.read_text()), out
+
+
+def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                           ) -> None:
+    report, out = bench_report(capsys, tiny_model_path, tmp_path, "-n", "4", "--prompt-tokens", "5",
+                               "--repeats", "2", "--compare", "fused,per-slot")
     check_run_info(report)
     assert (report["repeats"], report["warmup"]) == (2, 1)
     assert (report["prompt_tokens"], report["max_tokens"]) == (5, 4)
@@ -291,12 +297,8 @@ def test_bench_steps_per_graph_list_runs_each_count(tiny_model_path: Path, tmp_p
     from tornado_moe.engine.engine import DEFAULT_STEPS_PER_GRAPH
 
     assert STEPS_PER_GRAPH_HELP_DEFAULT == DEFAULT_STEPS_PER_GRAPH
-    js = tmp_path / "b.json"
-    rc, _, err = run_cli(capsys, "bench", "--model", str(tiny_model_path), "--device", "cpu", "-n", "7",
-                         "--prompt-tokens", "3", "--repeats", "1", "--steps-per-graph", "1,3", "--json",
-                         str(js))
-    assert rc == 0, err
-    report = json.loads(js.read_text())
+    report, _ = bench_report(capsys, tiny_model_path, tmp_path, "-n", "7", "--prompt-tokens", "3",
+                             "--repeats", "1", "--steps-per-graph", "1,3")
     assert [(v["variant"], v["steps_per_graph"]) for v in report["variants"]] == [
         ("fused/eager/torch/1-step", 1), ("fused/eager/torch/3-step", 3)]
     assert report["tokens_identical_across_variants"] is True
