@@ -1,17 +1,18 @@
 /*
  * qkv_rope.cu - tm_qkv_rope on CUDA: the attention input of a layer in one launch, bitwise the result of
- * tm_rmsnorm, tm_matmul (q, k, v, with bias) and tm_rope_kv_append in sequence.
+ * tm_rmsnorm_factors, tm_matmul (q, k, v, scaled by inv, with bias) and tm_rope_kv_append in sequence.
  *
  * Launch shape: blocks of 256 threads (8 warps), each for one token and 8 consecutive work items of it; a work
  * item is one rotation pair i of one q, k or v head: rows a = i, b = i + head_dim/2 (NEOX) or a = 2i, b = 2i + 1.
- * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes; its
- * weights loaded before pdl_wait);
- * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
- * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
- * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
- * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
- * each warp prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the
- * position it finds then (checked against pos[0] after the dot product; see the kernel).
+ * Right after pdl_wait each warp multiplies its item's two rows with xw = x * norm_w (qdot.cuh's warp_dot, the dot
+ * product of tm_matmul, which does not depend on how many rows a warp takes or where the activations live): xw as
+ * the previous layer's down wrote it, or computed here into shared memory when none did. Meanwhile x is copied into
+ * shared memory, and after the dot products the block evaluates inv with norm.cuh's tree (norm.cuh's deferred
+ * form: no norm before the first weight load). Lane 0 scales both values by inv, adds the bias (v = dot * inv +
+ * bias, as tm_matmul) and rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`, k and v
+ * (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp
+ * prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the position it
+ * finds then (checked against pos[0] after the dot product; see the kernel).
  */
 #include "norm.cuh"
 #include "qdot.cuh"
@@ -22,6 +23,11 @@ namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
 constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
+// Dynamic shared memory, in floats: x's copy [hidden], the norm scratch, the warps' rope slots, then (xw not given)
+// xw [hidden] at a 16-byte boundary.
+__host__ __device__ inline int64_t qkv_xw_offset(int64_t hidden) {
+  return (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
+}
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -35,6 +41,7 @@ constexpr int qkv_min_blocks() {
 
 struct QkvArgs {
   const float* x;
+  const float* xw;  // nullable: x * norm_w computed in the kernel
   const float* norm_w;
   const uint8_t* w[3];  // q, k, v
   const float* bias[3];
@@ -49,7 +56,7 @@ struct QkvArgs {
 
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then the warps' rope slots
+  extern __shared__ __align__(16) float qkv_h[];  // qkv_xw_offset's layout
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
@@ -84,23 +91,28 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
-  float wv[kNormHeld];  // the norm weights before pdl_wait: only x is read after it
-  load_norm_weights(a.norm_w, a.hidden, wv);
   pdl_begin();
-#if TM_QKV_NORM_PROBE  // timing only: x in place of h, no norm on the path (wrong results)
-  (void)wv;
-  if (!active) return;
-  const float* xs[1] = {a.x + t * a.hidden};
-#else
-  block_rmsnorm_held(a.x + t * a.hidden, a.norm_w, wv, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
-  if (!active) return;  // no barrier follows
-  const float* xs[1] = {qkv_h};
-#endif
-  const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
-  float out[2][1];
-  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-  if (lane != 0) return;
-  float va = out[0][0], vb = out[1][0];
+  // The deferred norm (norm.cuh): the dot products read xw at once and are scaled by inv after them; x's copy for
+  // inv lands in shared memory meanwhile.
+  const float* xt = a.x + t * a.hidden;
+  rms_stage(xt, a.hidden, qkv_h);
+  const float* act = a.xw != nullptr ? a.xw + t * a.hidden : nullptr;
+  if (act == nullptr) {  // no kernel wrote xw: computed here (the same bits; x's round trip and a barrier first)
+    float* sxw = qkv_h + qkv_xw_offset(a.hidden);
+    for (int64_t j = threadIdx.x; j < a.hidden; j += kNormThreads)
+      sxw[j] = norm_factor_xw(xt[j], __ldg(a.norm_w + j));
+    __syncthreads();
+    act = sxw;
+  }
+  float out[2][1] = {{0.0f}, {0.0f}};
+  if (active) {
+    const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
+    const float* xs[1] = {act};
+    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+  }
+  const float inv = rms_staged_inv(qkv_h, a.hidden, a.eps, qkv_h + a.hidden);  // every warp: a barrier
+  if (!active || lane != 0) return;
+  float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
   if (a.bias[which] != nullptr) {
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
     vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
@@ -128,13 +140,14 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
 
 using namespace tm_cuda;
 
-extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
-                                const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,
-                                float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,
-                                int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                                float freq_base, int neox, void* stream) {
+extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* norm_w, float eps,
+                                const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
+                                const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
+                                int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                int64_t max_ctx, float freq_base, int neox, void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "xw", xw));
   TM_TRY(check_f32_alignment(fn, "norm_w", norm_w));
   TM_TRY(check_weight_alignment(fn, "w_q", qtype, w_q));
   TM_TRY(check_weight_alignment(fn, "w_k", qtype, w_k));
@@ -147,7 +160,8 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const int64_t smem = (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = (xw != nullptr ? hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps
+                                      : qkv_xw_offset(hidden) + hidden) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
@@ -156,6 +170,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   const Fmt f = fmt_for(qtype, hidden);
   QkvArgs a{};
   a.x = x;
+  a.xw = xw;
   a.norm_w = norm_w;
   a.w[0] = static_cast<const uint8_t*>(w_q);
   a.w[1] = static_cast<const uint8_t*>(w_k);
@@ -178,7 +193,9 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, 
   a.eps = eps;
   a.freq_base = freq_base;
   a.neox = neox;
-  const bool v = fmt_vector_ok(f, w_q, true) && fmt_vector_ok(f, w_k, true) && fmt_vector_ok(f, w_v, true);
+  // the activations: xw rows in global memory, or the copy at a 16-byte boundary of shared memory
+  const bool x16 = xw == nullptr || (aligned(xw, 16) && hidden % 4 == 0);
+  const bool v = fmt_vector_ok(f, w_q, x16) && fmt_vector_ok(f, w_k, x16) && fmt_vector_ok(f, w_v, x16);
   const int64_t total = n_tokens * a.blocks_per_token;
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
