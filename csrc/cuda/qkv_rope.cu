@@ -22,7 +22,16 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
+// Measurement knobs (results/NOTES.md v10): TM_QKV_INV_AT_END=1 evaluates inv after the dot products instead of
+// during the first weight batch (the same bits); TM_QKV_INV_PROBE=1 skips inv and x's copy (timing only: wrong
+// results).
+#ifndef TM_QKV_INV_AT_END
+#define TM_QKV_INV_AT_END 0
+#endif
+#ifndef TM_QKV_INV_PROBE
+#define TM_QKV_INV_PROBE 0
+#endif
+constexpr int kRopeSlotWords = 4;  // shared memory per warp for lane 0: the rotation's c, s, the position; inv
 // Dynamic shared memory, in floats: x's copy [hidden], the norm scratch, the warps' rope slots, then (xw not given)
 // xw [hidden] at a 16-byte boundary.
 __host__ __device__ inline int64_t qkv_xw_offset(int64_t hidden) {
@@ -52,6 +61,19 @@ struct QkvArgs {
   int64_t hidden, n_heads, n_kv, head_dim, max_ctx, row_bytes, nblocks, blocks_per_token;
   float eps, freq_base;
   int neox;
+};
+
+// The deferred norm's inv for the block's token (norm.cuh: x staged at sx, the scratch after it), into `slot`
+// by lane 0 of each warp: warp_dot's hook, so nothing of it lives in the dot's registers.
+struct QkvInv {
+  const float* sx;
+  int64_t hidden;
+  float eps;
+  float* slot;
+  __device__ __forceinline__ void operator()() const {
+    const float inv = rms_staged_inv(sx, hidden, eps, const_cast<float*>(sx) + hidden);
+    if ((threadIdx.x & 31) == 0) *slot = inv;
+  }
 };
 
 template <Fmt F, bool V>
@@ -93,9 +115,12 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   }
   pdl_begin();
   // The deferred norm (norm.cuh): the dot products read xw at once and are scaled by inv after them; x's copy for
-  // inv lands in shared memory meanwhile.
+  // inv lands in shared memory meanwhile, and the block evaluates inv while the first weight batch is in flight
+  // (warp_dot's hook; after the dot products for layouts without it, or with TM_QKV_INV_AT_END).
   const float* xt = a.x + t * a.hidden;
+#if !TM_QKV_INV_PROBE
   rms_stage(xt, a.hidden, qkv_h);
+#endif
   const float* act = a.xw != nullptr ? a.xw + t * a.hidden : nullptr;
   if (act == nullptr) {  // no kernel wrote xw: computed here (the same bits; x's round trip and a barrier first)
     float* sxw = qkv_h + qkv_xw_offset(a.hidden);
@@ -105,13 +130,20 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     act = sxw;
   }
   float out[2][1] = {{0.0f}, {0.0f}};
+  // every warp evaluates inv once (a barrier): in its dot product's first batch, or after it
+  const QkvInv norm{qkv_h, a.hidden, a.eps, rope_slot + 3};
+  bool normed = TM_QKV_INV_PROBE;
   if (active) {
     const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
     const float* xs[1] = {act};
-    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+    if constexpr (TM_QKV_INV_AT_END || TM_QKV_INV_PROBE)
+      warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+    else
+      normed = warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out, norm);
   }
-  const float inv = rms_staged_inv(qkv_h, a.hidden, a.eps, qkv_h + a.hidden);  // every warp: a barrier
+  if (!normed) norm();
   if (!active || lane != 0) return;
+  const float inv = TM_QKV_INV_PROBE ? 1.0f : rope_slot[3];  // written by this lane in norm()
   float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
   if (a.bias[which] != nullptr) {
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
