@@ -1,18 +1,17 @@
 /*
  * qkv_rope.cu - tm_qkv_rope on CUDA: the attention input of a layer in one launch, bitwise the result of
- * tm_rmsnorm_factors, tm_matmul (q, k, v, scaled by inv, with bias) and tm_rope_kv_append in sequence.
+ * tm_rmsnorm, tm_matmul (q, k, v, with bias) and tm_rope_kv_append in sequence.
  *
  * Launch shape: blocks of 256 threads (8 warps), each for one token and 8 consecutive work items of it; a work
  * item is one rotation pair i of one q, k or v head: rows a = i, b = i + head_dim/2 (NEOX) or a = 2i, b = 2i + 1.
- * Right after pdl_wait each warp multiplies its item's two rows with xw = x * norm_w (qdot.cuh's warp_dot, the dot
- * product of tm_matmul, which does not depend on how many rows a warp takes or where the activations live): xw as
- * the previous layer's down wrote it, or computed here into shared memory when none did. Meanwhile x is copied into
- * shared memory, and after the dot products the block evaluates inv with norm.cuh's tree (norm.cuh's deferred
- * form: no norm before the first weight load). Lane 0 scales both values by inv, adds the bias (v = dot * inv +
- * bias, as tm_matmul) and rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`, k and v
- * (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp
- * prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the position it
- * finds then (checked against pos[0] after the dot product; see the kernel).
+ * The block first writes h = rmsnorm(x[t]) into shared memory with norm.cuh's tree (the bits tm_rmsnorm writes; its
+ * weights loaded before pdl_wait);
+ * then each warp computes its item's two rows with qdot.cuh's warp_dot (the dot product of tm_matmul, which does
+ * not depend on how many rows a warp takes or where the activations live), adds the bias as tm_matmul does
+ * (v = dot + bias), and lane 0 rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`,
+ * k and v (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait
+ * each warp prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the
+ * position it finds then (checked against pos[0] after the dot product; see the kernel).
  */
 #include "norm.cuh"
 #include "qdot.cuh"
@@ -22,21 +21,7 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-// Measurement knobs (results/NOTES.md v10): TM_QKV_INV_AT_END=1 evaluates inv after the dot products instead of
-// during the first weight batch (the same bits); TM_QKV_INV_PROBE=1 skips inv and x's copy (timing only: wrong
-// results).
-#ifndef TM_QKV_INV_AT_END
-#define TM_QKV_INV_AT_END 0
-#endif
-#ifndef TM_QKV_INV_PROBE
-#define TM_QKV_INV_PROBE 0
-#endif
-constexpr int kRopeSlotWords = 4;  // shared memory per warp for lane 0: the rotation's c, s, the position; inv
-// Dynamic shared memory, in floats: x's copy [hidden], the norm scratch, the warps' rope slots, then (xw not given)
-// xw [hidden] at a 16-byte boundary.
-__host__ __device__ inline int64_t qkv_xw_offset(int64_t hidden) {
-  return (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
-}
+constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -50,7 +35,6 @@ constexpr int qkv_min_blocks() {
 
 struct QkvArgs {
   const float* x;
-  const float* xw;  // nullable: x * norm_w computed in the kernel
   const float* norm_w;
   const uint8_t* w[3];  // q, k, v
   const float* bias[3];
@@ -63,22 +47,9 @@ struct QkvArgs {
   int neox;
 };
 
-// The deferred norm's inv for the block's token (norm.cuh: x staged at sx, the scratch after it), into `slot`
-// by lane 0 of each warp: warp_dot's hook, so nothing of it lives in the dot's registers.
-struct QkvInv {
-  const float* sx;
-  int64_t hidden;
-  float eps;
-  float* slot;
-  __device__ __forceinline__ void operator()() const {
-    const float inv = rms_staged_inv(sx, hidden, eps, const_cast<float*>(sx) + hidden);
-    if ((threadIdx.x & 31) == 0) *slot = inv;
-  }
-};
-
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_h[];  // qkv_xw_offset's layout
+  extern __shared__ __align__(16) float qkv_h[];  // [hidden] h, the norm scratch, then the warps' rope slots
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
@@ -113,38 +84,17 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
+  float wv[kNormHeld];  // the norm weights before pdl_wait: only x is read after it
+  load_norm_weights(a.norm_w, a.hidden, wv);
   pdl_begin();
-  // The deferred norm (norm.cuh): the dot products read xw at once and are scaled by inv after them; x's copy for
-  // inv lands in shared memory meanwhile, and the block evaluates inv while the first weight batch is in flight
-  // (warp_dot's hook; after the dot products for layouts without it, or with TM_QKV_INV_AT_END).
-  const float* xt = a.x + t * a.hidden;
-#if !TM_QKV_INV_PROBE
-  rms_stage(xt, a.hidden, qkv_h);
-#endif
-  const float* act = a.xw != nullptr ? a.xw + t * a.hidden : nullptr;
-  if (act == nullptr) {  // no kernel wrote xw: computed here (the same bits; x's round trip and a barrier first)
-    float* sxw = qkv_h + qkv_xw_offset(a.hidden);
-    for (int64_t j = threadIdx.x; j < a.hidden; j += kNormThreads)
-      sxw[j] = norm_factor_xw(xt[j], __ldg(a.norm_w + j));
-    __syncthreads();
-    act = sxw;
-  }
-  float out[2][1] = {{0.0f}, {0.0f}};
-  // every warp evaluates inv once (a barrier): in its dot product's first batch, or after it
-  const QkvInv norm{qkv_h, a.hidden, a.eps, rope_slot + 3};
-  bool normed = TM_QKV_INV_PROBE;
-  if (active) {
-    const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
-    const float* xs[1] = {act};
-    if constexpr (TM_QKV_INV_AT_END || TM_QKV_INV_PROBE)
-      warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-    else
-      normed = warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out, norm);
-  }
-  if (!normed) norm();
-  if (!active || lane != 0) return;
-  const float inv = TM_QKV_INV_PROBE ? 1.0f : rope_slot[3];  // written by this lane in norm()
-  float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
+  block_rmsnorm_held(a.x + t * a.hidden, a.norm_w, wv, a.hidden, a.eps, qkv_h, nullptr, qkv_h + a.hidden);
+  if (!active) return;  // no barrier follows
+  const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
+  const float* xs[1] = {qkv_h};
+  float out[2][1];
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+  if (lane != 0) return;
+  float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
     vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
@@ -172,14 +122,13 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
 
 using namespace tm_cuda;
 
-extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* norm_w, float eps,
-                                const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
-                                const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
-                                int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                int64_t max_ctx, float freq_base, int neox, void* stream) {
+extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
+                                const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,
+                                float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,
+                                int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
+                                float freq_base, int neox, void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_f32_alignment(fn, "x", x));
-  TM_TRY(check_f32_alignment(fn, "xw", xw));
   TM_TRY(check_f32_alignment(fn, "norm_w", norm_w));
   TM_TRY(check_weight_alignment(fn, "w_q", qtype, w_q));
   TM_TRY(check_weight_alignment(fn, "w_k", qtype, w_k));
@@ -192,8 +141,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const int64_t smem = (xw != nullptr ? hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps
-                                      : qkv_xw_offset(hidden) + hidden) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
@@ -202,7 +150,6 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   const Fmt f = fmt_for(qtype, hidden);
   QkvArgs a{};
   a.x = x;
-  a.xw = xw;
   a.norm_w = norm_w;
   a.w[0] = static_cast<const uint8_t*>(w_q);
   a.w[1] = static_cast<const uint8_t*>(w_k);
@@ -225,9 +172,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   a.eps = eps;
   a.freq_base = freq_base;
   a.neox = neox;
-  // the activations: xw rows in global memory, or the copy at a 16-byte boundary of shared memory
-  const bool x16 = xw == nullptr || (aligned(xw, 16) && hidden % 4 == 0);
-  const bool v = fmt_vector_ok(f, w_q, x16) && fmt_vector_ok(f, w_k, x16) && fmt_vector_ok(f, w_v, x16);
+  const bool v = fmt_vector_ok(f, w_q, true) && fmt_vector_ok(f, w_k, true) && fmt_vector_ok(f, w_v, true);
   const int64_t total = n_tokens * a.blocks_per_token;
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
