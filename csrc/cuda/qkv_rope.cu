@@ -21,13 +21,7 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-// TM_QKV_BIAS_AHEAD=1 (a measurement knob, default off: results/NOTES.md v10): lane 0 copies its two bias values
-// into shared memory before pdl_wait, so that no L2 round trip follows the dot product (the same bits).
-#ifndef TM_QKV_BIAS_AHEAD
-#define TM_QKV_BIAS_AHEAD 0
-#endif
-// shared memory per warp for lane 0: the rotation's factors c, s, the position (and the two biases)
-constexpr int kRopeSlotWords = TM_QKV_BIAS_AHEAD ? 5 : 3;
+constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0's rotation factors: c, s, the position
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
 // takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -90,12 +84,6 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
-#if TM_QKV_BIAS_AHEAD
-  if (active && lane == 0 && a.bias[which] != nullptr) {  // weights: before pdl_wait
-    rope_slot[3] = __ldg(a.bias[which] + ra);
-    rope_slot[4] = __ldg(a.bias[which] + rb);
-  }
-#endif
   float wv[kNormHeld];  // the norm weights before pdl_wait: only x is read after it
   load_norm_weights(a.norm_w, a.hidden, wv);
   pdl_begin();
@@ -108,13 +96,8 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   if (lane != 0) return;
   float va = out[0][0], vb = out[1][0];
   if (a.bias[which] != nullptr) {
-#if TM_QKV_BIAS_AHEAD
-    va = __fadd_rn(va, rope_slot[3]);
-    vb = __fadd_rn(vb, rope_slot[4]);
-#else
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
     vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
-#endif
   }
   const int32_t p0 = a.pos[0];
   const int64_t p = static_cast<int64_t>(p0) + t;
