@@ -398,9 +398,9 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         gap = v["step_gap_us"]  # -n 4: 3 decode steps, 2 boundaries
         assert gap["decode_steps"] == 3 and 0 <= gap["median_us"] <= gap["max_us"]
         assert gap["copy_us_per_step"] > 0  # the token read back after each step
-        # the period between step starts holds a step's span and the gap after it; the steps of one graph chain
-        # under PDL, so the next step's first kernel may start before this step's last one ends and a span may
-        # pass the period by that overlap (570.6 against 570.0 us on the H200, 2026-12-03)
+        # the period between step starts holds a step's span and the gap after it; the steps of one graph
+        # chain under PDL, so the next step's first kernel may start before this step's last one ends and a
+        # span may pass the period by that overlap (570.6 against 570.0 us on the H200, 2026-12-03)
         assert 0 < gap["span_median_us"] <= 1.01 * gap["period_median_us"]
 
 
