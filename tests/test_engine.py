@@ -158,12 +158,12 @@ def test_token_outside_vocabulary_is_rejected(tiny) -> None:
         Engine(tiny, EngineOptions(device="cpu")).feed(tiny.config.vocab)
 
 
-@pytest.mark.skipif(GPU, reason="checks the error raised on a machine without a GPU")
 def test_steps_per_graph_below_one_is_a_clear_error(tiny) -> None:
     with pytest.raises(InputError, match="--steps-per-graph"):
         Engine(tiny, EngineOptions(device="cpu", steps_per_graph=0))
 
 
+@pytest.mark.skipif(GPU, reason="checks the error raised on a machine without a GPU")
 def test_cuda_without_gpu_is_a_clear_error(tiny) -> None:
     with pytest.raises(DeviceError, match="no CUDA GPU"):
         Engine(tiny, EngineOptions(device="cuda"))
