@@ -58,8 +58,8 @@ class TorchProgram:
         """Every task of every graph, ``steps`` times over (with CUDA graphs: one replay of a graph that holds
         them all, captured at its first use)."""
         if self._use_graph:
-            graph = self._cuda_graphs.get(steps) or self._capture(steps)
-            self._replay(graph, steps)
+            graph = self._cuda_graphs.get(steps)
+            self._replay(graph if graph is not None else self._capture(steps), steps)
             return
         for _ in range(steps):
             if self._profile:
