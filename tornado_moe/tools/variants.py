@@ -62,9 +62,11 @@ class Variant:
         return "fused" if self.fuse_experts else "per-slot"
 
     def as_dict(self) -> dict[str, object]:
+        from tornado_moe.engine.engine import DEFAULT_STEPS_PER_GRAPH
+
+        steps = DEFAULT_STEPS_PER_GRAPH if self.steps_per_graph is None else self.steps_per_graph
         return {"variant": self.name, "fuse_experts": self.fuse_experts, "cuda_graphs": self.cuda_graphs,
-                "route": self.route, "tile_weights": self.tile_weights,
-                "steps_per_graph": self.engine_options("cpu").steps_per_graph}
+                "route": self.route, "tile_weights": self.tile_weights, "steps_per_graph": steps}
 
     def engine_options(self, device: str, **kw: Any) -> EngineOptions:
         """EngineOptions for this variant on ``device``; ``kw`` sets the other fields (sampler, ...)."""

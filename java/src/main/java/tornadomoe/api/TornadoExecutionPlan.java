@@ -226,11 +226,7 @@ public final class TornadoExecutionPlan implements AutoCloseable {
             if (p != null) {
                 synchronize();
             }
-            for (int s = 0; s < steps; s++) {
-                for (int i = 0; i < tasks.length; i++) {
-                    launch(i, p);
-                }
-            }
+            launchSteps(steps, p);
         }
         return finish(p, replay);
     }
@@ -294,14 +290,19 @@ public final class TornadoExecutionPlan implements AutoCloseable {
         NativeKernels.synchronize(device.id(), stream);
     }
 
+    /** Every task, in order, {@code steps} times over (eagerly, or into a capture when {@code p} is null). */
+    private void launchSteps(int steps, Profile p) {
+        for (int s = 0; s < steps; s++) {
+            for (int i = 0; i < tasks.length; i++) {
+                launch(i, p);
+            }
+        }
+    }
+
     private long capture(int steps) {
         NativeKernels.beginCapture(stream);
         try {
-            for (int s = 0; s < steps; s++) {
-                for (int i = 0; i < tasks.length; i++) {
-                    launch(i, null);
-                }
-            }
+            launchSteps(steps, null);
         } catch (RuntimeException e) {
             // End the capture so the stream is usable again; the partial graph is discarded.
             try {
