@@ -39,6 +39,19 @@ extern "C" int tm_cpu_rmsnorm(const float* x, const float* w, float* y, int64_t 
   return TM_OK;
 }
 
+// The same sum and inverse as tm_cpu_rmsnorm; xw = x * w.
+extern "C" int tm_cpu_rmsnorm_factors(const float* x, const float* w, float* xw, float* inv, int64_t n_tokens,
+                                      int64_t dim, float eps, void* stream) {
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float* xt = x + t * dim;
+    float* ot = xw + t * dim;
+    const float ss = dot_f32(xt, xt, dim);
+    inv[t] = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) ot[i] = xt[i] * w[i];
+  }
+  return TM_OK;
+}
+
 // Rotation of pair (a, b) by theta: a' = a cos - b sin, b' = a sin + b cos (float32). theta_i = p * base^(-2i/d)
 // and its cos/sin are evaluated in double, then rounded to float32 (accurate at long positions).
 extern "C" int tm_cpu_rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,

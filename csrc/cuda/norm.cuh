@@ -116,6 +116,64 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
   block_rmsnorm_held(x, w, wv, dim, eps, out, copy, scratch, barrier);
 }
 
+// ---- the deferred form (tm_rmsnorm_factors) --------------------------------------------------------------------
+// A normalised product dot(W, y) with y = rms_apply(x, inv, w) is computed as dot(W, xw) * inv, xw = x * w: xw
+// needs no reduction (the kernel that writes x writes it as well), so a consumer streams its weights from its first
+// instruction and needs inv only after its dot products (results/NOTES.md v10: the norm at the start of qkv_rope's
+// and the gate-up's blocks held every resident block for ~1.4 us).
+
+__device__ __forceinline__ float norm_factor_xw(float x, float w) { return __fmul_rn(x, w); }
+
+// inv for a row of x, in two halves that need no registers in between: rms_stage issues asynchronous copies of
+// this thread's tree indices (threadIdx.x + k * kNormThreads) of x into `sx` (shared memory, dim floats);
+// rms_staged_inv, later, waits for them and evaluates the tree (thread_sum_sq's order, block_rms_inv's barrier:
+// the bits of block_rms_inv over x). Threads 0 .. kNormThreads - 1 call both.
+__device__ __forceinline__ void rms_stage(const float* x, int64_t dim, float* sx) {
+  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(sx + i)), "l"(x + i) : "memory");
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <class Barrier = BlockBarrier>
+__device__ __forceinline__ float rms_staged_inv(const float* sx, int64_t dim, float eps, float* scratch,
+                                                Barrier barrier = {}) {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's own copies: no barrier needed to read them
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
+    const float v = sx[i];
+    ss = __fmaf_rn(v, v, ss);
+  }
+  return block_rms_inv(ss, dim, eps, scratch, barrier);
+}
+
+// rms_stage with its copies tracked by `bar` (an mbarrier initialised for kNormThreads arrivals): a warp can wait
+// for x to have landed (mbar_wait(bar, 0)) without waiting for the other warps, and evaluate the tree alone with
+// warp_rms_inv.
+__device__ __forceinline__ void rms_stage_tracked(const float* x, int64_t dim, float* sx, uint64_t* bar) {
+  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(sx + i)), "l"(x + i) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// block_rms_inv's tree over a staged row, evaluated by one warp alone (every lane gets the result): lane l sums
+// the squares of thread 32 w + l's indices for each of the 8 warps w in thread_sum_sq's order, warp_sum gives warp
+// w's total, lane w keeps it, and the 8 totals in lanes 0..7 are summed as block_rms_inv sums them: the same bits,
+// with no barrier (each warp of a block may evaluate it whenever x has landed).
+__device__ __forceinline__ float warp_rms_inv(const float* sx, int64_t dim, float eps) {
+  const int lane = threadIdx.x & 31;
+  float mine = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kNormWarps; ++w) {
+    float ss = 0.0f;
+    for (int64_t i = 32 * w + lane; i < dim; i += kNormThreads) {
+      const float v = sx[i];
+      ss = __fmaf_rn(v, v, ss);
+    }
+    const float total = warp_sum(ss);
+    if (lane == w) mine = total;
+  }
+  return rms_inv_from_sum(warp_sum(mine), dim, eps);
+}
+
 }  // namespace tm_cuda
 
 #endif

@@ -7,7 +7,8 @@
  *   kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
  * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
  *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
- *   (x is therefore read with plain loads).
+ *   (x is therefore read with plain loads). rmsnorm_factors: the same blocks and tree, writing inv and xw = x * w
+ *   (norm.cuh's deferred form) instead of y.
  */
 #include <cmath>
 
@@ -26,6 +27,29 @@ __global__ void __launch_bounds__(kNormThreads)
     // y may alias x: each thread writes only what it read, after block_rms_inv's barriers, and the closing
     // barrier puts the next token's reads after these writes
     block_rmsnorm(xt, w, dim, eps, yt, nullptr, scratch);
+  }
+}
+
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_factors_kernel(const float* x, const float* __restrict__ w, float* xw, float* inv, int64_t n_tokens,
+                           int64_t dim, float eps) {
+  __shared__ float scratch[kNormWarps + 1];
+  pdl_begin();
+  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
+    const float* xt = x + t * dim;
+    float* ot = xw + t * dim;
+    float held[kNormHeld];
+    const float r = block_rms_inv(thread_sum_sq(xt, dim, held), dim, eps, scratch);
+    if (threadIdx.x == 0) inv[t] = r;
+    // xw may alias x: each thread writes only what it read, after block_rms_inv's barrier
+#pragma unroll
+    for (int k = 0; k < kNormHeld; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * kNormThreads;
+      if (i < dim) ot[i] = norm_factor_xw(held[k], __ldg(w + i));
+    }
+    for (int64_t i = threadIdx.x + kNormHeld * kNormThreads; i < dim; i += kNormThreads)
+      ot[i] = norm_factor_xw(xt[i], __ldg(w + i));
+    __syncthreads();  // the next token's scratch writes after this token's reads of it
   }
 }
 
@@ -97,6 +121,22 @@ extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* id
   if (blocks > max_blocks) blocks = max_blocks;
   return launch(lim, fn, embedding_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, as_stream(stream), qtype,
                 static_cast<const uint8_t*>(table), ids, out, n_tokens, vocab, dim, tm_qtype_row_bytes(qtype, dim));
+}
+
+extern "C" int tm_cuda_rmsnorm_factors(const float* x, const float* w, float* xw, float* inv, int64_t n_tokens,
+                                       int64_t dim, float eps, void* stream) {
+  const char* fn = "tm_rmsnorm_factors";
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "w", w));
+  TM_TRY(check_f32_alignment(fn, "xw", xw));
+  TM_TRY(check_f32_alignment(fn, "inv", inv));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  int64_t blocks = n_tokens;
+  const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 32;
+  if (blocks > max_blocks) blocks = max_blocks;
+  return launch(lim, fn, rmsnorm_factors_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kNormThreads), 0,
+                as_stream(stream), x, w, xw, inv, n_tokens, dim, eps);
 }
 
 extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,
