@@ -585,11 +585,12 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_row_to_smem):
 //   one round trip instead of 11 dependent ones from L2 for a 5632-value row (H200, that shape alone: 7.19 ->
 //   5.92 us, results/NOTES.md v4o and lesson 37); else it prefetches the row into L2.
-//   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
+//   Terms go to shared memory; after one barrier lane j of warp 0 adds them to x[t, r0 + j] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
-//   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
+//   add, from the float32 x read once (with xw, also the next norm's factor and the rows' partial sum). No term's bits depend on the grouping (qdot.cuh: a row's result does not
 //   depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
+static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
   return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
@@ -605,19 +606,27 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
 }
 
-// xw = x * w over [n_tokens, hidden] (the two-launch form's xw; norm.cuh's product, so the fused kernel's bits).
+// xw = x * w and x's group sums xss over [n_tokens, hidden] (the two-launch form's; norm.cuh's operations, so the
+// fused kernel's bits): one thread a group.
 __global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const float* __restrict__ w, float* xw,
-                                                          int64_t n_tokens, int64_t hidden) {
+                                                          float* xss, int64_t n_tokens, int64_t hidden) {
   pdl_begin();
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n_tokens * hidden;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    xw[i] = norm_factor_xw(x[i], __ldg(w + i % hidden));
+  const int64_t groups = norm_groups(hidden);
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_tokens * groups;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = k / groups, g = k % groups;
+    const float* xt = x + t * hidden;
+    for (int64_t i = g * kNormGroup; i < (g + 1) * kNormGroup && i < hidden; ++i)
+      xw[t * hidden + i] = norm_factor_xw(xt[i], __ldg(w + i));
+    xss[k] = group_sum_sq([&](int64_t i) { return xt[i]; }, g, hidden);
+  }
 }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
-                        float* x, const float* __restrict__ next_norm_w, float* xw, int gate_mode, int64_t tok0) {
+                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, int gate_mode,
+                        int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
   extern __shared__ __align__(16) float down_smem[];
   __shared__ uint64_t rows_landed[kSplitRows];
@@ -678,13 +687,23 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     }
   }
   __syncthreads();
-  const int64_t r = r0 + warp;
-  if (!shared_warp || lane != 0 || r >= sh.hidden) return;
-  float* xo = x + t * sh.hidden + r;
-  float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
-  for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
-  *xo = acc;
-  if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
+  // Lane j of warp 0 adds row r0 + j's terms to x; the block's rows are one group of the next normalisation's
+  // grouped sum (kNormGroup == kSplitRows), whose partial sum lane 0 writes beside xw
+  if (warp != 0) return;
+  const int64_t r = r0 + lane;
+  float acc = 0.0f;
+  if (lane < kSplitRows && r < sh.hidden) {
+    float* xo = x + t * sh.hidden + r;
+    acc = __fadd_rn(__ldcg(xo), s_shared[lane]);  // in place: read around L1 (common.cuh)
+    for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[lane * rt.top_k + s]);
+    *xo = acc;
+    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[lane]);
+  }
+  if (xss != nullptr) {  // the same condition for every lane: the shuffles see the whole warp
+    const float ss = group_sum_sq([&](int64_t i) { return __shfl_sync(kFullMask, acc, static_cast<int>(i - r0)); },
+                                  blockIdx.x, sh.hidden);
+    if (lane == 0) xss[t * norm_groups(sh.hidden) + blockIdx.x] = ss;
+  }
   stamp_end(kDownTimelineRow0);
 }
 
@@ -847,12 +866,14 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                                                const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                                const void* w_down, const float* act, const int32_t* ids,
                                                const float* weights, const float* h, float* x,
-                                               const float* next_norm_w, float* xw, int64_t n_tokens, int64_t top_k,
+                                               const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
+                                               int64_t top_k,
                                                int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
   TM_TRY(check_f32_alignment(fn, "xw", xw));
+  TM_TRY(check_f32_alignment(fn, "xss", xss));
   TM_TRY(check_f32_alignment(fn, "gate_sh", gate_sh));
   DownArgs sh, rt;
   int gate_mode, no_gate;
@@ -872,9 +893,9 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
     TM_TRY(launch_moe_down(lim, fn, qtype, sh, vs, gate_inp_sh, h, x, n_tokens, 0, 1, gate_mode, s));
     TM_TRY(launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s));
     if (xw == nullptr) return TM_OK;
-    const int64_t blocks = ceil_div(n_tokens * hidden, 256);
+    const int64_t blocks = ceil_div(n_tokens * norm_groups(hidden), 256);
     return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
-                  0, s, x, next_norm_w, xw, n_tokens, hidden);
+                  0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
   if (smem > 48 * 1024 || smem > lim.smem_block || gx > lim.max_grid_x) return two_launches();
@@ -889,7 +910,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
                           dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
-                          next_norm_w, xw, gate_mode, t0));
+                          next_norm_w, xw, xss, gate_mode, t0));
           }
           return TM_OK;
         };

@@ -8,8 +8,8 @@
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
  * block_rms_inv evaluates it with a block of 256 threads (every warp sums the warp totals itself: one barrier);
- * block_rmsnorm writes y with it (tm_rmsnorm, the fused attention input, the router and both kinds of fused
- * gate-up block all normalise through it).
+ * block_rmsnorm writes y with it (tm_rmsnorm, the router and both kinds of fused gate-up block normalise through
+ * it). The deferred form (tm_rmsnorm_factors: the attention input) sums in another order, the grouped one, below.
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
 #define TORNADO_MOE_CUDA_NORM_CUH
@@ -121,57 +121,42 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
 // needs no reduction (the kernel that writes x writes it as well), so a consumer streams its weights from its first
 // instruction and needs inv only after its dot products (results/NOTES.md v10: the norm at the start of qkv_rope's
 // and the gate-up's blocks held every resident block for ~1.4 us).
+//
+// Its inv has a tree of its own, the grouped sum (tornado_moe.h, tm_rmsnorm_factors), so that it needs neither a
+// copy of x nor a block barrier in the consumer: the kernel that writes x also writes the sums of squares of groups
+// of kNormGroup consecutive values (xss; experts_down_kernel's blocks own kNormGroup rows each), and any one warp
+// adds them up alone, reading 2 KB through L1 (results/NOTES.md v11: from L2, every warp of 384 blocks asking for the
+// same 16 lines, it cost ~3 us a layer; through L1, nothing measurable).
 
 __device__ __forceinline__ float norm_factor_xw(float x, float w) { return __fmul_rn(x, w); }
 
-// inv for a row of x, in two halves that need no registers in between: rms_stage issues asynchronous copies of
-// this thread's tree indices (threadIdx.x + k * kNormThreads) of x into `sx` (shared memory, dim floats);
-// rms_staged_inv, later, waits for them and evaluates the tree (thread_sum_sq's order, block_rms_inv's barrier:
-// the bits of block_rms_inv over x). Threads 0 .. kNormThreads - 1 call both.
-__device__ __forceinline__ void rms_stage(const float* x, int64_t dim, float* sx) {
-  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(sx + i)), "l"(x + i) : "memory");
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <class Barrier = BlockBarrier>
-__device__ __forceinline__ float rms_staged_inv(const float* sx, int64_t dim, float eps, float* scratch,
-                                                Barrier barrier = {}) {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's own copies: no barrier needed to read them
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) {
-    const float v = sx[i];
-    ss = __fmaf_rn(v, v, ss);
-  }
-  return block_rms_inv(ss, dim, eps, scratch, barrier);
-}
+constexpr int kNormGroup = TM_NORM_GROUP;
+__host__ __device__ inline int64_t norm_groups(int64_t dim) { return (dim + kNormGroup - 1) / kNormGroup; }
 
-// rms_stage with its copies tracked by `bar` (an mbarrier initialised for kNormThreads arrivals): a warp can wait
-// for x to have landed (mbar_wait(bar, 0)) without waiting for the other warps, and evaluate the tree alone with
-// warp_rms_inv.
-__device__ __forceinline__ void rms_stage_tracked(const float* x, int64_t dim, float* sx, uint64_t* bar) {
-  for (int64_t i = threadIdx.x; i < dim; i += kNormThreads)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(sx + i)), "l"(x + i) : "memory");
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// block_rms_inv's tree over a staged row, evaluated by one warp alone (every lane gets the result): lane l sums
-// the squares of thread 32 w + l's indices for each of the 8 warps w in thread_sum_sq's order, warp_sum gives warp
-// w's total, lane w keeps it, and the 8 totals in lanes 0..7 are summed as block_rms_inv sums them: the same bits,
-// with no barrier (each warp of a block may evaluate it whenever x has landed).
-__device__ __forceinline__ float warp_rms_inv(const float* sx, int64_t dim, float eps) {
-  const int lane = threadIdx.x & 31;
-  float mine = 0.0f;
+// Group g's sum of squares: ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3 over value(4 g + j) < dim, each rounded.
+template <class Value>
+__device__ __forceinline__ float group_sum_sq(Value value, int64_t g, int64_t dim) {
+  float ss = 0.0f;  // +0 + v * v is v * v exactly
 #pragma unroll
-  for (int w = 0; w < kNormWarps; ++w) {
-    float ss = 0.0f;
-    for (int64_t i = 32 * w + lane; i < dim; i += kNormThreads) {
-      const float v = sx[i];
-      ss = __fmaf_rn(v, v, ss);
+  for (int j = 0; j < kNormGroup; ++j) {
+    const int64_t i = g * kNormGroup + j;
+    if (i < dim) {
+      const float v = value(i);
+      ss = __fadd_rn(ss, __fmul_rn(v, v));
     }
-    const float total = warp_sum(ss);
-    if (lane == w) mine = total;
   }
-  return rms_inv_from_sum(warp_sum(mine), dim, eps);
+  return ss;
+}
+
+// inv from the group sums partial(g), g < norm_groups(dim), by one warp (every lane gets it): lane l adds groups
+// l, l + 32, ... in increasing order, warp_sum adds the 32 lane sums.
+template <class Partial>
+__device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, float eps) {
+  const int64_t groups = norm_groups(dim);
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t g = threadIdx.x & 31; g < groups; g += 32) ss = __fadd_rn(ss, partial(g));
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
 }
 
 }  // namespace tm_cuda

@@ -5,12 +5,12 @@
  * Launch shape: blocks of 256 threads (8 warps), each for one token and 8 consecutive work items of it; a work
  * item is one rotation pair i of one q, k or v head: rows a = i, b = i + head_dim/2 (NEOX) or a = 2i, b = 2i + 1.
  * Right after pdl_wait each warp multiplies its item's two rows with xw = x * norm_w (qdot.cuh's warp_dot, the dot
- * product of tm_matmul, which does not depend on how many rows a warp takes or where the activations live): xw as
- * the previous layer's down wrote it, or computed here into shared memory when none did. Meanwhile x is copied into
- * shared memory, and after the dot products the block evaluates inv with norm.cuh's tree (norm.cuh's deferred
- * form: no norm before the first weight load). Lane 0 scales both values by inv, adds the bias (v = dot * inv +
- * bias, as tm_matmul) and rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`, k and v
- * (v unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp
+ * product of tm_matmul, which does not depend on how many rows a warp takes or where the activations live), then
+ * evaluates inv alone from x's partial sums of squares (norm.cuh's deferred form: no norm before the first weight
+ * load, no block barrier after the last). xw and the sums as the previous layer's down wrote them, or computed here
+ * into shared memory when none did. Lane 0 scales both values by inv, adds the bias (v = dot * inv + bias, as
+ * tm_matmul) and rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`, k and v (v
+ * unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp
  * prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the position it
  * finds then (checked against pos[0] after the dot product; see the kernel).
  */
@@ -22,35 +22,15 @@ namespace tm_cuda {
 namespace {
 
 constexpr int kQkvWarps = kNormThreads / 32;
-// Measurement knobs (results/NOTES.md v10): TM_QKV_INV_AT_END=1 evaluates inv after the dot products instead of
-// during the first weight batch (the same bits); TM_QKV_INV_PROBE=1 skips inv and x's copy (timing only: wrong
-// results).
-#ifndef TM_QKV_INV_AT_END
-#define TM_QKV_INV_AT_END 0
-#endif
-#ifndef TM_QKV_INV_PROBE
-#define TM_QKV_INV_PROBE 0
-#endif
-// TM_QKV_NORM_WARP=1: a ninth warp per block copies x and evaluates inv while the 8 dot warps stream, and hands it
-// over through an mbarrier; the dot warps neither copy x nor evaluate the tree (the same bits).
-// TM_QKV_PARTIALS_PROBE=1 (timing only: wrong results): inv from 256 floats read from global memory by each
-// warp (two 16-byte loads a lane, 8 adds, warp_sum), as if the previous kernel had left 256 partial sums of
-// squares: no copy of x, no shared memory, no barrier. Prices the partial-sums form before it is written.
-#ifndef TM_QKV_PARTIALS_PROBE
-#define TM_QKV_PARTIALS_PROBE 0
-#endif
-#ifndef TM_QKV_NORM_WARP
-#define TM_QKV_NORM_WARP 0
-#endif
-constexpr int kQkvThreads = kNormThreads + (TM_QKV_NORM_WARP ? 32 : 0);
-constexpr int kRopeSlotWords = 4;  // shared memory per warp for lane 0: the rotation's c, s, the position; inv
-// Dynamic shared memory, in floats: x's copy [hidden], the norm scratch, the warps' rope slots, then (xw not given)
-// xw [hidden] at a 16-byte boundary.
-__host__ __device__ inline int64_t qkv_xw_offset(int64_t hidden) {
-  return (hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
+constexpr int kRopeSlotWords = 3;  // shared memory per warp for lane 0: the rotation's c, s, the position
+// Dynamic shared memory, in floats: the warps' rope slots, then (xw not given) xw [hidden] at a 16-byte boundary
+// and x's partial sums [norm_groups(hidden)].
+constexpr int64_t kQkvXwOffset = (kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
+__host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes_xw) {
+  return computes_xw ? kQkvXwOffset + hidden + norm_groups(hidden) : kRopeSlotWords * kQkvWarps;
 }
-// Blocks per SM the kernel is compiled for: 3 for tiled rows (72 registers; the tiled reader's whole-batch path
-// takes 88 and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
+// Blocks per SM the kernel is compiled for: 3 for tiled rows (the tiled reader's whole-batch path takes more
+// registers and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
@@ -62,7 +42,8 @@ constexpr int qkv_min_blocks() {
 
 struct QkvArgs {
   const float* x;
-  const float* xw;  // nullable: x * norm_w computed in the kernel
+  const float* xw;   // nullable (with xss): x * norm_w computed in the kernel
+  const float* xss;  // x's partial sums of squares (norm.cuh's grouped sum)
   const float* norm_w;
   const uint8_t* w[3];  // q, k, v
   const float* bias[3];
@@ -75,48 +56,15 @@ struct QkvArgs {
   int neox;
 };
 
-#if !TM_QKV_NORM_WARP
-// The deferred norm's inv for the block's token (norm.cuh: x staged at sx, its copies tracked by bar), evaluated
-// by the calling warp alone (no block barrier) into `slot` by lane 0: warp_dot's hook, so nothing of it lives in
-// the dot's registers.
-struct QkvInv {
-  const float* sx;
-  uint64_t* bar;
-  int64_t hidden;
-  float eps;
-  float* slot;
-  const float* gx;
-  __device__ __forceinline__ void operator()() const {
-#if TM_QKV_PARTIALS_PROBE
-    const int lane = threadIdx.x & 31;
-#if TM_QKV_PARTIALS_PROBE == 2  // through L1 (the block's 8 warps and the SM's blocks share the lines)
-    const float4 p0 = __ldg(reinterpret_cast<const float4*>(gx) + 2 * lane);
-    const float4 p1 = __ldg(reinterpret_cast<const float4*>(gx) + 2 * lane + 1);
-#else  // 1: from L2 (every warp's request reaches the slices that hold the 8 lines); 3: the same from 8 replicas
-    const float4 p0 = __ldcg(reinterpret_cast<const float4*>(gx) + 2 * lane);
-    const float4 p1 = __ldcg(reinterpret_cast<const float4*>(gx) + 2 * lane + 1);
-#endif
-    float ss = __fadd_rn(__fadd_rn(__fadd_rn(p0.x, p0.y), __fadd_rn(p0.z, p0.w)),
-                         __fadd_rn(__fadd_rn(p1.x, p1.y), __fadd_rn(p1.z, p1.w)));
-    const float inv = rms_inv_from_sum(warp_sum(fabsf(ss)), hidden, eps);
-#else
-    mbar_wait(bar, 0);
-    const float inv = warp_rms_inv(sx, hidden, eps);
-#endif
-    if ((threadIdx.x & 31) == 0) *slot = inv;
-  }
-};
-#endif
-
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kQkvThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_h[];  // qkv_xw_offset's layout
+__global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
+  extern __shared__ __align__(16) float qkv_smem[];  // qkv_smem_floats' layout
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
   const int64_t half = a.head_dim / 2;
   int64_t rest = (b % a.blocks_per_token) * kQkvWarps + warp;
-  const bool active = warp < kQkvWarps && rest < (a.n_heads + 2 * a.n_kv) * half;
+  const bool active = rest < (a.n_heads + 2 * a.n_kv) * half;
   int which = 0;
   if (rest >= a.n_heads * half) {
     rest -= a.n_heads * half;
@@ -137,7 +85,7 @@ __global__ void __launch_bounds__(kQkvThreads, qkv_min_blocks<F>()) qkv_rope_ker
   // computes them before pdl_wait from the position the previous step left (peek_before_wait: a guess, checked
   // after the dot product, and computed again if it moved), into shared memory, so that they are off the path
   // that follows the dot product. The factors are the same bits either way.
-  float* rope_slot = qkv_h + a.hidden + kNormWarps + 1 + kRopeSlotWords * warp;
+  float* rope_slot = qkv_smem + kRopeSlotWords * warp;
   if (active && which < 2 && lane == 0) {
     const int32_t guess = peek_before_wait(a.pos);
     const RopeFactors f = rope_factors(static_cast<int64_t>(guess) + t, i, a.head_dim, a.freq_base);
@@ -145,72 +93,31 @@ __global__ void __launch_bounds__(kQkvThreads, qkv_min_blocks<F>()) qkv_rope_ker
     rope_slot[1] = f.s;
     rope_slot[2] = __int_as_float(guess);
   }
-  __shared__ uint64_t x_landed;  // x's copies (rms_stage_tracked), or (TM_QKV_NORM_WARP) the norm warp's inv
-#if TM_QKV_NORM_WARP
-  __shared__ float s_inv;
-#endif
-  if (threadIdx.x == 0) {
-    mbar_init(&x_landed, TM_QKV_NORM_WARP ? 1 : kNormThreads);
-    mbar_init_fence();
-  }
-  __syncthreads();  // before pdl_wait: off the path
   pdl_begin();
-  // The deferred norm (norm.cuh): the dot products read xw at once and are scaled by inv after them; x's copy for
-  // inv lands in shared memory meanwhile, and each warp evaluates inv alone while its first weight batch is in
-  // flight (warp_dot's hook; after the dot products for layouts without it, or with TM_QKV_INV_AT_END).
   const float* xt = a.x + t * a.hidden;
-#if !TM_QKV_INV_PROBE && !TM_QKV_NORM_WARP && !TM_QKV_PARTIALS_PROBE
-  rms_stage_tracked(xt, a.hidden, qkv_h, &x_landed);
-#endif
   const float* act = a.xw != nullptr ? a.xw + t * a.hidden : nullptr;
-  if (act == nullptr) {  // no kernel wrote xw: computed here (the same bits; x's round trip and a barrier first)
-    float* sxw = qkv_h + qkv_xw_offset(a.hidden);
-    for (int64_t j = threadIdx.x; j < a.hidden; j += kQkvThreads)
-      sxw[j] = norm_factor_xw(xt[j], __ldg(a.norm_w + j));
+  const float* sums = a.xss != nullptr ? a.xss + t * norm_groups(a.hidden) : nullptr;
+  if (act == nullptr) {  // no kernel wrote xw and the sums: computed here (the same bits; x's round trip first)
+    float* sxw = qkv_smem + kQkvXwOffset;
+    float* sss = sxw + a.hidden;
+    for (int64_t j = threadIdx.x; j < a.hidden; j += kNormThreads) sxw[j] = norm_factor_xw(xt[j], __ldg(a.norm_w + j));
+    for (int64_t g = threadIdx.x; g < norm_groups(a.hidden); g += kNormThreads)
+      sss[g] = group_sum_sq([&](int64_t j) { return xt[j]; }, g, a.hidden);
     __syncthreads();
     act = sxw;
+    sums = sss;
   }
-#if TM_QKV_NORM_WARP
-  if (warp == kQkvWarps) {  // the norm warp: x copied by its lanes, then the whole tree (warp_rms_inv)
-    for (int64_t j = lane; j < a.hidden; j += 32)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(qkv_h + j)), "l"(xt + j) : "memory");
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    __syncwarp();
-    const float r = warp_rms_inv(qkv_h, a.hidden, a.eps);
-    if (lane == 0) {
-      s_inv = r;
-      mbar_arrive(&x_landed);  // release: s_inv before the arrival
-    }
-    return;
-  }
-#endif
+  if (!active) return;
   float out[2][1] = {{0.0f}, {0.0f}};
-#if !TM_QKV_NORM_WARP
-  // each active warp evaluates inv once: in its dot product's first batch, or after it
-  const float* gx = xt;
-  if (TM_QKV_PARTIALS_PROBE == 3 && a.xw != nullptr && a.hidden >= 2048) gx = act + (blockIdx.x % 8) * 256;
-  const QkvInv norm{qkv_h, &x_landed, a.hidden, a.eps, rope_slot + 3, gx};
-  bool normed = TM_QKV_INV_PROBE;
-#endif
-  if (active) {
-    const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
-    const float* xs[1] = {act};
-#if TM_QKV_INV_AT_END || TM_QKV_INV_PROBE || TM_QKV_NORM_WARP
-    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-#else
-    normed = warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out, norm);
-#endif
-  }
-  if (!active) return;  // its threads' copies still count on x_landed; nothing waits on them but this block
-#if TM_QKV_NORM_WARP
+  const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
+  const float* xs[1] = {act};
+  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+  // inv by this warp alone, after its dot products: the sums (2 KB for a 2048-value row) through L1, which the
+  // block's warps and the SM's blocks share (the sums were written before pdl_wait returned, never during this grid)
+  const bool sums_global = a.xw != nullptr;
+  const float inv = warp_grouped_inv([&](int64_t g) { return sums_global ? __ldg(sums + g) : sums[g]; }, a.hidden,
+                                     a.eps);
   if (lane != 0) return;
-  mbar_wait(&x_landed, 0);  // acquire: the norm warp's s_inv
-  const float inv = s_inv;
-#else
-  if (!normed) norm();
-  if (lane != 0) return;
-  const float inv = TM_QKV_INV_PROBE ? 1.0f : rope_slot[3];  // written by this lane in norm()
-#endif
   float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
   if (a.bias[which] != nullptr) {
     va = __fadd_rn(va, __ldg(a.bias[which] + ra));
@@ -239,14 +146,15 @@ __global__ void __launch_bounds__(kQkvThreads, qkv_min_blocks<F>()) qkv_rope_ker
 
 using namespace tm_cuda;
 
-extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* norm_w, float eps,
-                                const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
+extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
+                                float eps, const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
                                 const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
                                 int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                 int64_t max_ctx, float freq_base, int neox, void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "xw", xw));
+  TM_TRY(check_f32_alignment(fn, "xss", xss));
   TM_TRY(check_f32_alignment(fn, "norm_w", norm_w));
   TM_TRY(check_weight_alignment(fn, "w_q", qtype, w_q));
   TM_TRY(check_weight_alignment(fn, "w_k", qtype, w_k));
@@ -259,8 +167,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const int64_t smem = (xw != nullptr ? hidden + kNormWarps + 1 + kRopeSlotWords * kQkvWarps
-                                      : qkv_xw_offset(hidden) + hidden) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = qkv_smem_floats(hidden, xw == nullptr) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
@@ -270,6 +177,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   QkvArgs a{};
   a.x = x;
   a.xw = xw;
+  a.xss = xss;
   a.norm_w = norm_w;
   a.w[0] = static_cast<const uint8_t*>(w_q);
   a.w[1] = static_cast<const uint8_t*>(w_k);
@@ -303,7 +211,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
     TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&qkv_rope_kernel<F, V>), smem, fn));
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
-      TM_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kQkvThreads),
+      TM_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
                            static_cast<size_t>(smem), s, a, b0));
     }
     return TM_OK;

@@ -4,7 +4,8 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks). Its norm is
   deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
-  xw = x * attn_norm beside x, so the kernel streams its weights at once and needs inv only after them;
+  xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
+  each warp evaluates inv alone after them;
 - ``attention``, ``attn_output`` (+ residual);
 - ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
   launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
@@ -132,13 +133,14 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     wq, wk, wv = _w(L, "attn_q"), _w(L, "attn_k"), _w(L, "attn_v")
     heads = (cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
     if _qkv_fused(dm, i):
-        # xw: x * attn_norm as the previous layer's down wrote it, when it did (else computed in the kernel)
-        xw = act.xw if i > 0 and _writes_next_xw(dm, i - 1, T, fuse_experts) else None
-        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, xw, _f32(L, "attn_norm"), cfg.rms_eps, wq.data,
+        # xw and xss: x's factors as the previous layer's down wrote them, when it did (else computed here)
+        given = i > 0 and _writes_next_xw(dm, i - 1, T, fuse_experts)
+        xw, xss = (act.xw, act.xss) if given else (None, None)
+        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, xw, xss, _f32(L, "attn_norm"), cfg.rms_eps, wq.data,
                wk.data, wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"),
                act.q, act.k_cache[i], act.v_cache[i], act.position, T, H, *heads)
     else:  # the five tasks qkv_rope stands for: the deferred norm's factors, the products scaled by inv, rope
-        g.task("attn_norm", "rmsnorm_factors", act.x, _f32(L, "attn_norm"), act.h, act.norm_inv, T, H,
+        g.task("attn_norm", "rmsnorm_factors", act.x, _f32(L, "attn_norm"), act.h, None, act.norm_inv, T, H,
                cfg.rms_eps)
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
@@ -199,12 +201,12 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                          cfg.normalize_topk, ffn, act.router_scratch)]
         if _fused_down(dm, i, T, fuse_experts):
             gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
-            # and the next layer's xw, which its qkv_rope then reads instead of computing it
-            next_w, xw = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw)
-                          if _writes_next_xw(dm, i, T, fuse_experts) else (None, None))
+            # and the next layer's xw and xss, which its qkv_rope then reads instead of computing them
+            next_w, xw, xss = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw, act.xss)
+                               if _writes_next_xw(dm, i, T, fuse_experts) else (None, None, None))
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
-                      gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, next_w, xw, T, k,
-                      E, H, ffn)]
+                      gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, next_w, xw, xss,
+                      T, k, E, H, ffn)]
         # A decode step whose FFN half the library runs in one launch (csrc/cuda/moe_ffn.cu): one task.
         if _ffn_in_one_launch(dm, i, T, fuse_experts):
             gate_ups = [("router_experts_ffn", "router_experts_ffn", *router_io, qt, sg.data, su.data,
