@@ -71,8 +71,9 @@ def make_weights(
 def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """The deferred norm's sum of squares in float32, in its own order (tornado_moe.h, tm_rmsnorm_factors),
     for bitwise checks: per row, the group sums ((x0*x0 + x1*x1) + x2*x2) + x3*x3 ([T, groups]; a short last
-    group), lane l's sum of groups l, l + 32, ... in increasing order, then the butterfly over the 32 lane
-    sums ([T]). Zero padding leaves every sum exact: adding +0 to a sum of squares does not round."""
+    group), lane l's sum of its chunk of ceil(groups / 32) consecutive groups in increasing order, then the
+    butterfly over the 32 lane sums ([T]). Zero padding leaves every sum exact: adding +0 to a sum of squares
+    does not round."""
     x = x.detach().cpu().float()
     T, dim = x.shape
     groups = -(-dim // group)
@@ -80,11 +81,11 @@ def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[to
     xss = sq[:, :, 0]
     for j in range(1, group):
         xss = xss + sq[:, :, j]
-    rows = -(-groups // lanes)
-    by_lane = torch.nn.functional.pad(xss, (0, rows * lanes - groups)).view(T, rows, lanes)
+    chunk = -(-groups // lanes)
+    by_lane = torch.nn.functional.pad(xss, (0, chunk * lanes - groups)).view(T, lanes, chunk)
     s = torch.zeros(T, lanes)
-    for k in range(rows):
-        s = s + by_lane[:, k]
+    for k in range(chunk):
+        s = s + by_lane[:, :, k]
     idx = torch.arange(lanes)
     m = lanes // 2
     while m >= 1:

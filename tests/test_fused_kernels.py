@@ -55,6 +55,7 @@ QKV_SHAPES = [  # n_tokens, hidden, n_heads, n_kv_heads, head_dim, pos0
     (1, 128, 4, 4, 32, 0),
     (3, 96, 4, 2, 16, 5),  # GQA, three blocks per row (a partial pair), prefill at an offset
     (1, 2112, 2, 1, 64, 9),  # two chunks per row
+    (2, 2048, 4, 2, 64, 3),  # 512 partial sums: the 16-byte reads of the given sums (grouped_inv_vector_ok)
 ]
 
 

@@ -23,16 +23,17 @@ int check_positions(const char* fn, const int32_t* pos, int64_t n_tokens, int64_
 }
 
 // The deferred form's grouped sum of squares (tornado_moe.h, tm_rmsnorm_factors: the CUDA kernels' order, so the
-// same bits): groups of 4 values, their sums into xss (when given), lane g % 32's sums in increasing g, then the
-// warp's butterfly over the 32 lane sums.
+// same bits): groups of 4 values, their sums into xss (when given), lane l's sum of its chunk of ceil(groups / 32)
+// consecutive groups, then the warp's butterfly over the 32 lane sums.
 float grouped_sum_sq(const float* x, int64_t dim, float* xss) {
   constexpr int kLanes = 32, kGroup = TM_NORM_GROUP;
+  const int64_t chunk = (tm_norm_groups(dim) + kLanes - 1) / kLanes;
   float lanes[kLanes] = {};
   for (int64_t g = 0; g * kGroup < dim; ++g) {
     float ss = 0.0f;
     for (int64_t i = g * kGroup; i < (g + 1) * kGroup && i < dim; ++i) ss = ss + x[i] * x[i];
     if (xss != nullptr) xss[g] = ss;
-    lanes[g % kLanes] = lanes[g % kLanes] + ss;
+    lanes[g / chunk] = lanes[g / chunk] + ss;
   }
   for (int m = kLanes / 2; m >= 1; m /= 2) {
     float next[kLanes];

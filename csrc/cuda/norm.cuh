@@ -148,14 +148,33 @@ __device__ __forceinline__ float group_sum_sq(Value value, int64_t g, int64_t di
   return ss;
 }
 
-// inv from the group sums partial(g), g < norm_groups(dim), by one warp (every lane gets it): lane l adds groups
-// l, l + 32, ... in increasing order, warp_sum adds the 32 lane sums.
+// inv from the group sums partial(g), g < norm_groups(dim), by one warp (every lane gets it): lane l adds its chunk
+// of ceil(groups / 32) consecutive groups in increasing order, warp_sum adds the 32 lane sums.
+__host__ __device__ inline int64_t norm_lane_chunk(int64_t dim) { return (norm_groups(dim) + 31) / 32; }
 template <class Partial>
 __device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, float eps) {
-  const int64_t groups = norm_groups(dim);
+  const int64_t groups = norm_groups(dim), chunk = norm_lane_chunk(dim);
+  const int64_t g0 = (threadIdx.x & 31) * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
   float ss = 0.0f;
 #pragma unroll 4
-  for (int64_t g = threadIdx.x & 31; g < groups; g += 32) ss = __fadd_rn(ss, partial(g));
+  for (int64_t g = g0; g < g1; ++g) ss = __fadd_rn(ss, partial(g));
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
+}
+// The same from sums in global memory that no thread of this grid writes, through L1 (the block's warps and the
+// SM's blocks share the lines; results/NOTES.md v11) 16 bytes at a time, one round trip: every lane's chunk whole
+// and 16-byte aligned (grouped_inv_vector_ok).
+__device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
+  return norm_groups(dim) % 128 == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
+}
+__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t k = 0; k < quads; ++k) {
+    const float4 v = __ldg(p + k);
+    ss = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
+  }
   return rms_inv_from_sum(warp_sum(ss), dim, eps);
 }
 

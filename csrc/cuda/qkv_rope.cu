@@ -112,11 +112,12 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {act};
   warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
-  // inv by this warp alone, after its dot products: the sums (2 KB for a 2048-value row) through L1, which the
-  // block's warps and the SM's blocks share (the sums were written before pdl_wait returned, never during this grid)
-  const bool sums_global = a.xw != nullptr;
-  const float inv = warp_grouped_inv([&](int64_t g) { return sums_global ? __ldg(sums + g) : sums[g]; }, a.hidden,
-                                     a.eps);
+  // inv by this warp alone, after its dot products, from the sums in shared memory or through L1 (2 KB for a
+  // 2048-value row; written before pdl_wait returned, never during this grid)
+  const float inv = a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
+                    : grouped_inv_vector_ok(sums, a.hidden)
+                        ? warp_grouped_inv_ldg(sums, a.hidden, a.eps)
+                        : warp_grouped_inv([&](int64_t g) { return __ldg(sums + g); }, a.hidden, a.eps);
   if (lane != 0) return;
   float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
   if (a.bias[which] != nullptr) {

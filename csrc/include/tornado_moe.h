@@ -122,9 +122,10 @@ TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y
  * writes x can write it too, and a kernel that consumes it streams its weights at once and needs inv only after the
  * dot product (results/NOTES.md v10-v11). ss has its own order, the grouped sum, so that the kernel that writes x
  * can also leave its partial sums: xss[t, g] (g < tm_norm_groups(dim); xss nullable) = ((x0*x0 + x1*x1) + x2*x2) +
- * x3*x3 over x[t, 4g .. 4g + 3] (TM_NORM_GROUP values; fewer at the row's end), each product and sum rounded; lane l of 32 sums xss[t, l],
- * xss[t, l + 32], ... in increasing order, and the 32 lane sums are added as a butterfly (m = 16, 8, 4, 2, 1:
- * s_l = s_l + s_(l xor m)); ss is that total. x and xw may alias. */
+ * x3*x3 over x[t, 4g .. 4g + 3] (TM_NORM_GROUP values; fewer at the row's end), each product and sum rounded;
+ * lane l of 32 sums its chunk of c = ceil(groups / 32) consecutive groups, xss[t, l*c .. l*c + c - 1], in
+ * increasing order, and the 32 lane sums are added as a butterfly (m = 16, 8, 4, 2, 1: s_l = s_l + s_(l xor m));
+ * ss is that total. x and xw may alias. */
 TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, float* xw, float* xss, float* inv,
                               int64_t n_tokens, int64_t dim, float eps, void* stream);
 
