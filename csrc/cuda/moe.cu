@@ -585,10 +585,11 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   into shared memory by the copy engine before pdl_wait and reads it there (common.cuh's bulk_row_to_smem):
 //   one round trip instead of 11 dependent ones from L2 for a 5632-value row (H200, that shape alone: 7.19 ->
 //   5.92 us, results/NOTES.md v4o and lesson 37); else it prefetches the row into L2.
-//   Terms go to shared memory; after one barrier lane j of warp 0 adds them to x[t, r0 + j] in the order of the
+//   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
-//   add, from the float32 x read once (with xw, also the next norm's factor and the rows' partial sum). No term's bits depend on the grouping (qdot.cuh: a row's result does not
-//   depend on how many rows a warp reads at once).
+//   add, from the float32 x read once; with xw it also writes the next norm's factor, and the four rows' sum of
+//   squares (one group of norm.cuh's grouped sum) after a named barrier. No term's bits depend on the grouping
+//   (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
@@ -894,8 +895,8 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                                                const void* w_down, const float* act, const int32_t* ids,
                                                const float* weights, const float* h, float* x,
                                                const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
-                                               int64_t top_k,
-                                               int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+                                               int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                                               void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
