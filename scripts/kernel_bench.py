@@ -50,6 +50,10 @@ def q8_0(rows: int, cols: int, copies: int = 1) -> torch.Tensor:
     return w
 
 
+# Whether qkv_rope reads xw (and x's partial sums xss) and experts_down_accumulate writes them (the deferred
+# norm, results/NOTES.md v10-v11): the baseline's trees, whose kernels this script also times, take neither.
+_QKV_ARGS = getattr(K, "KERNEL_ARGS", {}).get("qkv_rope", ())
+DEFERRED_NORM, PARTIAL_SUMS = "xw" in _QKV_ARGS, "xss" in _QKV_ARGS
 # Whether the kernels take the shared-expert gate from the router (v4q): a baseline tree's kernels may not.
 GATE_SH = hasattr(K, "experts_down_accumulate") and (
     "gate_sh" in inspect.signature(K.experts_down_accumulate).parameters)
@@ -89,6 +93,8 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
     f32 = dict(dtype=torch.float32, device="cuda")
     x = torch.randn(1, H, **f32)
     h = torch.randn(1, H, **f32)
+    h_next = torch.randn(1, H, **f32)  # the down's xw output
+    sums, sums_next = torch.rand(1, H // 4, **f32), torch.empty(1, H // 4, **f32)  # xss read, xss written
     norm_w = 1 + 0.1 * torch.randn(H, **f32)
     pos = torch.tensor([POS], dtype=torch.int32, device="cuda")
     k_cache = torch.randn(CTX, H, **f32)
@@ -110,7 +116,9 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             n = copies_for(3 * H * rb)
             wq, wk, wv = q8_0(H, H, n), q8_0(H, H, n), q8_0(H, H, n)
             b = torch.randn(H, **f32)
-            return lambda i: K.qkv_rope(QT, x, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
+            # xw as the previous layer's down writes it (trees before the deferred norm take no xw)
+            xs = (x, h, sums) if PARTIAL_SUMS else (x, h) if DEFERRED_NORM else (x,)
+            return lambda i: K.qkv_rope(QT, *xs, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
                                         k_cache, v_cache, pos, 1, H, HEADS, HEADS, HD, CTX, 1e6, True)
         out.append(("attn_qkv (qkv_rope)", 3 * H * rb, qkv))
     matmul("attn_q (one of q/k/v)", H, H, h, q, False)
@@ -197,8 +205,10 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             n = copies_for(H * SFFN // 32 * 34)
             sd, wd = q8_0(H, SFFN, n), q8_0(E * H, FFN)[0]
             gate = (None, gate_sh) if GATE_SH else (gate_inp,)  # the gate as the router wrote it (v4q on)
+            # and the next layer's xw (and xss), as in the model
+            xw = (norm_w, h_next, sums_next) if PARTIAL_SUMS else (norm_w, h_next) if DEFERRED_NORM else ()
             return lambda i: K.experts_down_accumulate(QT, sd[i % n], act_sh, *gate, SFFN, wd, act,
-                                                       ids_rot[i % 64], wts, h, x, 1, TOPK, E, H, FFN)
+                                                       ids_rot[i % 64], wts, h, x, *xw, 1, TOPK, E, H, FFN)
         out.append(("experts_down_accumulate (shared + 4 of 60)", H * (SFFN + TOPK * FFN) // 32 * 34,
                     experts_down))
 

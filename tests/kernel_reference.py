@@ -68,6 +68,32 @@ def make_weights(
     return torch.from_numpy(raw.copy()), torch.from_numpy(dequantize(raw, qtype).astype(np.float64))
 
 
+def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deferred norm's sum of squares in float32, in its own order (tornado_moe.h, tm_rmsnorm_factors),
+    for bitwise checks: per row, the group sums ((x0*x0 + x1*x1) + x2*x2) + x3*x3 ([T, groups]; a short last
+    group), lane l's sum of its chunk of ceil(groups / 32) consecutive groups in increasing order, then the
+    butterfly over the 32 lane sums ([T]). Zero padding leaves every sum exact: adding +0 to a sum of squares
+    does not round."""
+    x = x.detach().cpu().float()
+    T, dim = x.shape
+    groups = -(-dim // group)
+    sq = torch.nn.functional.pad(x * x, (0, groups * group - dim)).view(T, groups, group)
+    xss = sq[:, :, 0]
+    for j in range(1, group):
+        xss = xss + sq[:, :, j]
+    chunk = -(-groups // lanes)
+    by_lane = torch.nn.functional.pad(xss, (0, chunk * lanes - groups)).view(T, lanes, chunk)
+    s = torch.zeros(T, lanes)
+    for k in range(chunk):
+        s = s + by_lane[:, :, k]
+    idx = torch.arange(lanes)
+    m = lanes // 2
+    while m >= 1:
+        s = s + s[:, idx ^ m]
+        m //= 2
+    return xss, s[:, 0]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out64, ref64 = out.detach().cpu().to(F64), ref.detach().cpu().to(F64)

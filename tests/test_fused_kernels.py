@@ -1,8 +1,9 @@
 """The fused kernels are bitwise the unfused sequences they replace, and the dot product keeps its promises on
 the shapes the small kernel tests do not reach.
 
-- ``qkv_rope`` == rmsnorm, three matmuls (with bias) and rope_kv_append, bit for bit, on every device, also
-  when the kernel before it moves the position it reads;
+- ``qkv_rope`` == rmsnorm_factors, three matmuls (scaled by inv, with bias) and rope_kv_append, bit for bit,
+  on every device, with xw given or computed in the kernel, also when the kernel before it moves the position
+  it reads;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
 - ``router_experts_gate_up`` == rmsnorm_router_topk then experts_gate_up, bit for bit, and leaves its scratch
@@ -54,6 +55,7 @@ QKV_SHAPES = [  # n_tokens, hidden, n_heads, n_kv_heads, head_dim, pos0
     (1, 128, 4, 4, 32, 0),
     (3, 96, 4, 2, 16, 5),  # GQA, three blocks per row (a partial pair), prefill at an offset
     (1, 2112, 2, 1, 64, 9),  # two chunks per row
+    (2, 2048, 4, 2, 64, 3),  # 512 partial sums: the 16-byte reads of the given sums (grouped_inv_vector_ok)
 ]
 
 
@@ -73,26 +75,61 @@ def test_qkv_rope_is_the_unfused_sequence_bitwise(device: str, qtype: int, neox:
     bq, bk, bv = (randn(rng, (n * hd,), device) for n in (n_heads, n_kv, n_kv))
     pos = torch.tensor([pos0], dtype=torch.int32, device=device)
 
-    # unfused: h = rmsnorm(x); q, k, v = W h + b; rope + append
-    h = poisoned((n_tokens, hidden), device)
-    K.rmsnorm(x, norm_w, h, n_tokens, hidden, eps)
+    # unfused: (xw, xss, inv) = rmsnorm_factors(x); q, k, v = (W xw) * inv + b; rope + append
+    xw, inv = poisoned((n_tokens, hidden), device), poisoned((n_tokens,), device)
+    xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
+    K.rmsnorm_factors(x, norm_w, xw, xss, inv, n_tokens, hidden, eps)
     q_ref = poisoned((n_tokens, n_heads * hd), device)
     k, v = poisoned((n_tokens, n_kv * hd), device), poisoned((n_tokens, n_kv * hd), device)
     for w, b, out, rows in ((wq, bq, q_ref, n_heads * hd), (wk, bk, k, n_kv * hd), (wv, bv, v, n_kv * hd)):
-        K.matmul(qtype, w, h, b, out, n_tokens, rows, hidden)
+        K.matmul(qtype, w, xw, b, out, n_tokens, rows, hidden, scale=inv)
     kc_ref, vc_ref = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
     K.rope_kv_append(q_ref, k, v, kc_ref, vc_ref, pos, n_tokens, n_heads, n_kv, hd, max_ctx, base, neox)
 
-    q = poisoned((n_tokens, n_heads * hd), device)
-    kc, vc = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
-    K.qkv_rope(qtype, x, norm_w, eps, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens, hidden, n_heads, n_kv,
-               hd, max_ctx, base, neox)
-    rows = slice(pos0, pos0 + n_tokens)
-    assert not torch.isnan(q).any() and not torch.isnan(kc[rows]).any() and not torch.isnan(vc[rows]).any()
-    assert torch.equal(q, q_ref)
-    assert torch.equal(kc[rows], kc_ref[rows]) and torch.equal(vc[rows], vc_ref[rows])
-    # no other cache row is touched
-    assert torch.isnan(kc[:pos0]).all() and torch.isnan(vc[pos0 + n_tokens :]).all()
+    for given in ((None, None), (xw, xss)):  # computed in the kernel, or as the kernel before it wrote them
+        q = poisoned((n_tokens, n_heads * hd), device)
+        kc, vc = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
+        K.qkv_rope(qtype, x, *given, norm_w, eps, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens, hidden,
+                   n_heads, n_kv, hd, max_ctx, base, neox)
+        rows = slice(pos0, pos0 + n_tokens)
+        assert not torch.isnan(q).any()
+        assert not torch.isnan(kc[rows]).any() and not torch.isnan(vc[rows]).any()
+        assert torch.equal(q, q_ref)
+        assert torch.equal(kc[rows], kc_ref[rows]) and torch.equal(vc[rows], vc_ref[rows])
+        # no other cache row is touched
+        assert torch.isnan(kc[:pos0]).all() and torch.isnan(vc[pos0 + n_tokens :]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [37, 64, 2048, 2112, 4100])
+def test_rmsnorm_factors_grouped_sum_bitwise(device: str, dim: int) -> None:
+    """xw = x * w, the partial sums xss and inv are the grouped sum's (tornado_moe.h) bit for bit, on every
+    device (37, 4100: a short last group; 4100: more groups than a lane's 32 strides), with and without xss;
+    (x * inv) * w is rmsnorm's y within float32 rounding, and the deferred product (W xw) * inv the normalised
+    product within float32 rounding of float64's."""
+    rng = np.random.default_rng(21)
+    n_tokens, eps = 3, 1e-6
+    x, w = randn(rng, (n_tokens, dim), device, 3.0), randn(rng, (dim,), device)
+    xss_ref, ss_ref = ref.grouped_sum_sq(x)
+    inv_ref = 1.0 / torch.sqrt(ss_ref / dim + eps)
+    xw, inv = poisoned((n_tokens, dim), device), poisoned((n_tokens,), device)
+    xss = poisoned((n_tokens, K.norm_groups(dim)), device)
+    K.rmsnorm_factors(x, w, xw, xss, inv, n_tokens, dim, eps)
+    assert torch.equal(xw, x * w)
+    assert torch.equal(xss.cpu(), xss_ref) and torch.equal(inv.cpu(), inv_ref)
+    alone = poisoned((n_tokens,), device)
+    K.rmsnorm_factors(x, w, poisoned((n_tokens, dim), device), None, alone, n_tokens, dim, eps)
+    assert torch.equal(alone, inv)
+    y = poisoned((n_tokens, dim), device)
+    K.rmsnorm(x, w, y, n_tokens, dim, eps)
+    assert ref.rel_err((x * inv[:, None]) * w, y) < 1e-6
+    if dim % 32:
+        return  # no Q8_0 rows of that length
+    raw, w64 = ref.make_weights(rng, (40, dim), ref.QTYPES["Q8_0"])
+    out = poisoned((n_tokens, 40), device)
+    K.matmul(ref.QTYPES["Q8_0"], raw.to(device), xw, None, out, n_tokens, 40, dim, scale=inv)
+    expected = ref.rmsnorm(x.double().cpu(), w.double().cpu(), eps) @ w64.T
+    assert ref.rel_err(out.cpu(), expected) < TOL_LONG
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -112,8 +149,8 @@ def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
     def run(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = poisoned((n_tokens, n_heads * hd), device)
         kc, vc = poisoned((max_ctx, n_kv * hd), device), poisoned((max_ctx, n_kv * hd), device)
-        K.qkv_rope(qtype, x, norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden, n_heads, n_kv, hd,
-                   max_ctx, base, True)
+        K.qkv_rope(qtype, x, None, None, norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden, n_heads,
+                   n_kv, hd, max_ctx, base, True)
         return q, kc, vc
 
     expected = run(torch.tensor([new_pos], dtype=torch.int32, device=device))
@@ -135,8 +172,8 @@ def test_qkv_rope_without_bias_matches_float64() -> None:
     q = poisoned((n_tokens, n_heads * hd), "cpu")
     kc, vc = torch.zeros(pos0 + n_tokens, n_heads * hd), torch.zeros(pos0 + n_tokens, n_heads * hd)
     pos = torch.tensor([pos0], dtype=torch.int32)
-    K.qkv_rope(8, x, norm_w, eps, raw, raw, raw, None, None, None, q, kc, vc, pos, n_tokens, hidden, n_heads,
-               n_heads, hd, pos0 + n_tokens, base, True)
+    K.qkv_rope(8, x, None, None, norm_w, eps, raw, raw, raw, None, None, None, q, kc, vc, pos, n_tokens,
+               hidden, n_heads, n_heads, hd, pos0 + n_tokens, base, True)
     h = ref.rmsnorm(x.double(), norm_w.double(), eps)
     positions = torch.arange(pos0, pos0 + n_tokens)
     expected = ref.rope((h @ w64.T).view(n_tokens, n_heads, hd), positions, base, True)
@@ -309,7 +346,8 @@ def test_experts_down_is_shared_then_routed_bitwise(
     """Shared then routed slots into one x (7 slots: groups of 4, 2 and 1; an odd hidden size: a partial
     block of rows); on CUDA an expert id out of range gives NaN in both, tiled shared rows of a multiple of
     256 values are read from copies in shared memory, a cap too small for those copies takes the one-launch
-    kernel's reader from global memory, and a smaller one the two-launch path."""
+    kernel's reader from global memory, and a smaller one the two-launch path. Each also writes the next
+    norm's factors from the x it stores, xw and the partial sums xss, bit for bit rmsnorm_factors'."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     rng = np.random.default_rng(19)
@@ -329,7 +367,7 @@ def test_experts_down_is_shared_then_routed_bitwise(
     if bad:
         ids[1, 2] = n_experts
     wts = torch.from_numpy(rng.random((n_tokens, top_k), dtype=np.float32)).to(device)
-    x0 = randn(rng, (n_tokens, hidden), device)
+    x0, next_w = randn(rng, (n_tokens, hidden), device), randn(rng, (hidden,), device)
     want = x0.clone()
     K.moe_down_accumulate(qtype, wd_sh, act_sh, None, None, gate, h, want, n_tokens, 1, 0, 1, 1, hidden,
                           ffn_sh)
@@ -340,12 +378,20 @@ def test_experts_down_is_shared_then_routed_bitwise(
             continue
         K.set_launch_limits_for_testing(smem_cap, 0)
         try:
-            got = x0.clone()
+            got, xw = x0.clone(), poisoned((n_tokens, hidden), device)
+            xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
             K.experts_down_accumulate(qtype, wd_sh, act_sh, gate, None, ffn_sh, wd, act, ids, wts, h, got,
-                                      n_tokens, top_k, n_experts, hidden, ffn)
+                                      next_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn)
         finally:
             K.set_launch_limits_for_testing(0, 0)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        xw_f = poisoned((n_tokens, hidden), device)
+        xss_f = poisoned((n_tokens, K.norm_groups(hidden)), device)
+        K.rmsnorm_factors(got, next_w, xw_f, xss_f, poisoned((n_tokens,), device), n_tokens, hidden, 1e-6)
+        assert torch.equal(xw.nan_to_num(), xw_f.nan_to_num()) and torch.equal(xw_f.nan_to_num(),
+                                                                               (got * next_w).nan_to_num())
+        assert torch.equal(xss.isnan(), xss_f.isnan()) and torch.equal(xss.nan_to_num(), xss_f.nan_to_num())
+        assert not torch.isnan(xss[0]).any()
     assert bool(torch.isnan(want).any()) == bad and not torch.isnan(want[0]).any()
 
 
@@ -384,9 +430,9 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
     x0 = randn(rng, (n_tokens, hidden), device)
     computed, read = x0.clone(), x0.clone()
     K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate_inp, None, ffn_sh, wd, act, ids, wts, h,
-                              computed, n_tokens, top_k, n_experts, hidden, ffn)
+                              computed, None, None, None, n_tokens, top_k, n_experts, hidden, ffn)
     K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, None, gate_sh, ffn_sh, wd, act, ids, wts, None,
-                              read, n_tokens, top_k, n_experts, hidden, ffn)
+                              read, None, None, None, n_tokens, top_k, n_experts, hidden, ffn)
     assert not torch.isnan(computed).any() and not torch.equal(computed, x0)
     assert torch.equal(read, computed)
 
@@ -407,8 +453,8 @@ def test_the_shared_gate_comes_from_one_place(device: str) -> None:
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, gate_inp, None, w, w,
                                  act, n_tokens, n_experts, hidden, 2, False, 4, scratch)
     with pytest.raises(RuntimeError, match="not both"):
-        K.experts_down_accumulate(8, w, act, gate_inp, gate, 4, w, act, ids, wt, h, x, n_tokens, 2, n_experts,
-                                  hidden, 4)
+        K.experts_down_accumulate(8, w, act, gate_inp, gate, 4, w, act, ids, wt, h, x, None, None, None,
+                                  n_tokens, 2, n_experts, hidden, 4)
 
 
 # ---- the whole FFN half in one launch ------------------------------------------------------------------
@@ -463,8 +509,8 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
         K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, Q8_0_TILED, gs, us, sh, ffn_sh,
                                  gate_inp, gate, g, u, act, n_tokens, n_experts, hidden, top_k, normalize,
                                  ffn, scratch)
-        K.experts_down_accumulate(Q8_0_TILED, wd_sh, sh, None, gate, ffn_sh, wd, act, ids, wt, h, x, n_tokens,
-                                  top_k, n_experts, hidden, ffn)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, sh, None, gate, ffn_sh, wd, act, ids, wt, h, x, None,
+                                  None, None, n_tokens, top_k, n_experts, hidden, ffn)
         return out
 
     want = two_launches(torch.zeros(words, dtype=torch.int32, device=device))
@@ -547,8 +593,8 @@ def test_experts_down_reads_expert_ids_its_predecessor_writes(device: str, slot:
     new_ids[0, slot] = new_id
 
     def down(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate, None, ffn_sh, wd, act, ids, wts, h, x, 1,
-                                  top_k, n_experts, hidden, ffn)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, gate, None, ffn_sh, wd, act, ids, wts, h, x,
+                                  None, None, None, 1, top_k, n_experts, hidden, ffn)
         return x
 
     expected, stale = down(new_ids, x0.clone()), down(old_ids, x0.clone())

@@ -92,9 +92,9 @@ def _pipeline(device: str) -> Pipeline:
     embed = TaskGraph("embed").task("embedding", "embedding", F32, t["table"], t["ids"], t["x"], T, VOCAB, H)
     layer = (TaskGraph("layer")
              .task("norm", "rmsnorm", t["x"], t["norm_w"], t["h"], T, H, EPS)
-             .task("proj", "matmul", F32, t["proj"], t["h"], t["proj_b"], t["x"], T, H, H, True)
+             .task("proj", "matmul", F32, t["proj"], t["h"], t["proj_b"], t["x"], T, H, H, True, None)
              .task("norm2", "rmsnorm", t["x"], t["norm_w"], t["h2"], T, H, EPS)
-             .task("output", "matmul", Q8_0, t["out_w"], t["h2"], None, t["logits"], T, OUT, H, False)
+             .task("output", "matmul", Q8_0, t["out_w"], t["h2"], None, t["logits"], T, OUT, H, False, None)
              .task("argmax", "argmax", t["logits"], t["next"], T, OUT))
     p = Pipeline(t, (embed.snapshot(), layer.snapshot()))
     p.reset_outputs()
@@ -235,7 +235,7 @@ def _compile(*tasks: Task):  # noqa: ANN202 - a JavaProgram
 def test_validation_errors_carry_the_java_message() -> None:
     x, w, y = torch.ones(2, 16), torch.ones(16), torch.empty(2, 16)
     with pytest.raises(JavaArgumentError, match=r"task graph 'g', task 't': unknown kernel 'nope' \(known: "
-                                                r"embedding, rmsnorm, matmul"):
+                                                r"embedding, rmsnorm, rmsnorm_factors, matmul"):
         _compile(Task("t", "nope", ()))
     with pytest.raises(ValueError, match=r"task graph 'g', task 't' \(kernel 'rmsnorm', "
                                          r"signature 'pppiif'\): expected 6 arguments .*got 5"):

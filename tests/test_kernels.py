@@ -143,6 +143,12 @@ def test_matmul(device: str, qtype: int, n_tokens: int) -> None:
     # the fused residual add is exactly "y + (dot + bias)" in float32
     assert torch.equal(y_acc, residual + y_bias)
 
+    # the per-token scale (the deferred norm's inv) is exactly "dot * scale + bias", each rounded
+    scale = randn(rng, (n_tokens,), device)
+    y_scaled = poisoned((n_tokens, rows), device)
+    K.matmul(qtype, w, x, bias, y_scaled, n_tokens, rows, cols, scale=scale)
+    assert torch.equal(y_scaled, y * scale[:, None] + bias)
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
@@ -743,20 +749,20 @@ def test_kernel_table() -> None:
     assert b"unknown kernel index 99" in lib.tm_last_error()
     assert invoke(lib, "argmax", "cpu", [0, 0, 1]) == -1
     assert b"tm_invoke(argmax): got 3 argument words, the signature 'ppii' needs 4" in lib.tm_last_error()
-    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 8) == -1  # a qtype word that does not fit an int
+    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 9) == -1  # a qtype word that does not fit an int
     assert lib.tm_cuda_compiled() == int(K.cuda_compiled())
 
 
 def test_c_abi_device_errors() -> None:
     lib = c_library()
     x = torch.zeros(32)
-    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0]
-    arr = (ctypes.c_uint64 * 9)(*words)
-    assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 7, arr, 9, None) == -1
+    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0, 0]
+    arr = (ctypes.c_uint64 * 10)(*words)
+    assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 7, arr, 10, None) == -1
     assert b"tm_matmul: unknown device 7" in lib.tm_last_error()
     if not lib.tm_cuda_compiled():
         assert lib.tm_cuda_device_count() == 0
-        assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 1, arr, 9, None) == -3  # TM_ERR_NO_CUDA
+        assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 1, arr, 10, None) == -3  # TM_ERR_NO_CUDA
         assert b"built without CUDA" in lib.tm_last_error()
 
 
@@ -770,14 +776,15 @@ def test_invoke_marshals_like_the_torch_ops(device: str) -> None:
     w = ref.make_weights(rng, (rows, cols), qtype)[0].to(device)
     x, bias = randn(rng, (n_tokens, cols), device), randn(rng, (rows,), device)
     y_op = randn(rng, (n_tokens, rows), device)
-    y_c = y_op.clone()
-    K.matmul(qtype, w, x, bias, y_op, n_tokens, rows, cols, accumulate=True)
+    y_c, scale = y_op.clone(), randn(rng, (n_tokens,), device)
+    K.matmul(qtype, w, x, bias, y_op, n_tokens, rows, cols, accumulate=True, scale=scale)
     assert (
         invoke(
             lib,
             "matmul",
             device,
-            [qtype, w.data_ptr(), x.data_ptr(), bias.data_ptr(), y_c.data_ptr(), n_tokens, rows, cols, 1],
+            [qtype, w.data_ptr(), x.data_ptr(), bias.data_ptr(), y_c.data_ptr(), n_tokens, rows, cols, 1,
+             scale.data_ptr()],
             stream,
         )
         == 0

@@ -110,8 +110,8 @@ def test_qkv_rope_tiled_is_gguf_layout_bitwise(device: str, hidden: int, n_heads
         kc = torch.zeros(max_ctx, n_kv * head_dim, device=device)
         vc = torch.zeros(max_ctx, n_kv * head_dim, device=device)
         wq, wk, wv = (w[which] for w in ws)
-        K.qkv_rope(qtype, x, norm_w, 1e-6, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens, hidden, n_heads,
-                   n_kv, head_dim, max_ctx, 10000.0, True)
+        K.qkv_rope(qtype, x, None, None, norm_w, 1e-6, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens,
+                   hidden, n_heads, n_kv, head_dim, max_ctx, 10000.0, True)
         results.append((q, kc, vc))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)

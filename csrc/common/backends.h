@@ -27,12 +27,16 @@ int tm_set_error(int status, const char* fmt, ...);
                         int64_t vocab, int64_t dim, void* stream);                                             \
   int PREFIX##rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,      \
                       void* stream);                                                                           \
+  int PREFIX##rmsnorm_factors(const float* x, const float* w, float* xw, float* xss, float* inv,             \
+                              int64_t n_tokens, int64_t dim, float eps, void* stream);                       \
   int PREFIX##matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,  \
-                     int64_t rows, int64_t cols, int accumulate, void* stream);                               \
+                     int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);           \
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \
-  int PREFIX##qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,             \
+  int PREFIX##qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,     \
+                       float eps,                                                                             \
+                       const void* w_q,                                                                       \
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,       \
                        float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,             \
                        int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,       \
@@ -68,7 +72,9 @@ int tm_set_error(int status, const char* fmt, ...);
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,        \
                                       const void* w_down,                                                    \
                                       const float* act, const int32_t* ids, const float* weights,            \
-                                      const float* h, float* x, int64_t n_tokens, int64_t top_k,             \
+                                      const float* h, float* x, const float* next_norm_w, float* xw,         \
+                                      float* xss,                                                            \
+                                      int64_t n_tokens, int64_t top_k,                                       \
                                       int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);         \
   int PREFIX##argmax(const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab, void* stream);       \
   int PREFIX##sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,         \

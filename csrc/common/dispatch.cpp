@@ -249,8 +249,17 @@ TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y
   return TM_FORWARD(rmsnorm, device, x, w, y, n_tokens, dim, eps, stream);
 }
 
+TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, float* xw, float* xss, float* inv,
+                              int64_t n_tokens, int64_t dim, float eps, void* stream) {
+  const char* fn = "tm_rmsnorm_factors";
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "w", w, "xw", xw, n_tokens, "dim", dim, eps));
+  TM_TRY(check_ptr(fn, "inv", inv));
+  return TM_FORWARD(rmsnorm_factors, device, x, w, xw, xss, inv, n_tokens, dim, eps, stream);
+}
+
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, void* stream) {
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -261,7 +270,7 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
   TM_TRY(check_positive(fn, "rows", rows));
   TM_TRY(check_positive(fn, "cols", cols));
   TM_TRY(check_row_length(fn, "cols", qtype, cols));
-  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, stream);
+  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, stream);
 }
 
 TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
@@ -277,7 +286,8 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
                     head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
 }
 
-TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
+TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
+                       const float* norm_w, float eps, const void* w_q,
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
@@ -291,7 +301,9 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
   TM_TRY(check_ptr(fn, "w_v", w_v));
   TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
   TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
-  return TM_FORWARD(qkv_rope, device, qtype, x, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
+  if ((xw == nullptr) != (xss == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
+  return TM_FORWARD(qkv_rope, device, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
                     n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
 }
 
@@ -421,7 +433,7 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
                     top_k, norm, ffn, scratch, stream));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act,
-                    ids, weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
+                    ids, weights, h, x, nullptr, nullptr, nullptr, n_tokens, top_k, n_experts, hidden, ffn, stream);
 }
 
 TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
@@ -446,8 +458,9 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                       const void* w_down, const float* act, const int32_t* ids,
-                                      const float* weights, const float* h, float* x, int64_t n_tokens,
-                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
+                                      const float* weights, const float* h, float* x, const float* next_norm_w,
+                                      float* xw, float* xss, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                                      int64_t hidden, int64_t ffn, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_device(fn, device));
   if (gate_inp_sh != nullptr && gate_sh != nullptr)
@@ -458,8 +471,11 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
   TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
                          0, top_k, n_experts, hidden, "ffn", ffn));
   TM_TRY(check_ptr(fn, "ids", ids));
+  if ((next_norm_w == nullptr) != (xw == nullptr) || (xw == nullptr) != (xss == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'next_norm_w', 'xw' and 'xss' together (the next normalisation's "
+                        "factor and partial sums) or none of them", fn);
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down,
-                    act, ids, weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream);
+                    act, ids, weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn, stream);
 }
 
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,

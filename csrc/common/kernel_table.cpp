@@ -47,10 +47,16 @@ const KernelRow kKernels[] = {
                          f32(a[5]), s);
      },
      0},
-    {"matmul", "qppnpiiib",
+    {"rmsnorm_factors", "pppnpiif",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_rmsnorm_factors(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<float>(a[2]),
+                                 ptr<float>(a[3]), ptr<float>(a[4]), i64(a[5]), i64(a[6]), f32(a[7]), s);
+     },
+     0},
+    {"matmul", "qppnpiiibn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_matmul(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
-                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), s);
+                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]), s);
      },
      0},
     {"rope_kv_append", "ppppppiiiiifb",
@@ -60,13 +66,14 @@ const KernelRow kKernels[] = {
                                 i64(a[8]), i64(a[9]), i64(a[10]), f32(a[11]), i32(a[12]), s);
      },
      0},
-    {"qkv_rope", "qppfpppnnnppppiiiiiifb",
+    {"qkv_rope", "qpnnpfpppnnnppppiiiiiifb",
      [](tm_device d, const uint64_t* a, void* s) {
-       return tm_qkv_rope(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]), f32(a[3]),
-                          ptr<const void>(a[4]), ptr<const void>(a[5]), ptr<const void>(a[6]), ptr<const float>(a[7]),
-                          ptr<const float>(a[8]), ptr<const float>(a[9]), ptr<float>(a[10]), ptr<float>(a[11]),
-                          ptr<float>(a[12]), ptr<const int32_t>(a[13]), i64(a[14]), i64(a[15]), i64(a[16]), i64(a[17]),
-                          i64(a[18]), i64(a[19]), f32(a[20]), i32(a[21]), s);
+       return tm_qkv_rope(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
+                          ptr<const float>(a[4]), f32(a[5]), ptr<const void>(a[6]), ptr<const void>(a[7]),
+                          ptr<const void>(a[8]), ptr<const float>(a[9]), ptr<const float>(a[10]),
+                          ptr<const float>(a[11]), ptr<float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
+                          ptr<const int32_t>(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]),
+                          i64(a[21]), f32(a[22]), i32(a[23]), s);
      },
      0},
     {"attention", "pppppiiiii",
@@ -134,13 +141,14 @@ const KernelRow kKernels[] = {
                                      i64(a[11]), i64(a[12]), i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"experts_down_accumulate", "qppnnipppnnpiiiii",
+    {"experts_down_accumulate", "qppnnipppnnpnnniiiii",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_experts_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),
                                          ptr<const float>(a[3]), ptr<const float>(a[4]), i64(a[5]),
                                          ptr<const void>(a[6]), ptr<const float>(a[7]), ptr<const int32_t>(a[8]),
                                          ptr<const float>(a[9]), ptr<const float>(a[10]), ptr<float>(a[11]),
-                                         i64(a[12]), i64(a[13]), i64(a[14]), i64(a[15]), i64(a[16]), s);
+                                         ptr<const float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
+                                         i64(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), s);
      },
      0},
     {"argmax", "ppii",

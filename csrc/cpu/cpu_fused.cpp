@@ -6,18 +6,22 @@
 #include "backends.h"
 #include "cpu_math.h"
 
-extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
-                               const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,
-                               float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,
-                               int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                               float freq_base, int neox, void* stream) {
+// Given xw and xss are x's factors as the kernel that wrote x computed them: the same bits as those computed here.
+extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
+                               float eps,
+                               const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
+                               const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
+                               int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                               int64_t max_ctx, float freq_base, int neox, void* stream) {
+  (void)xw;
+  (void)xss;
   const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
-  std::vector<float> h(static_cast<size_t>(n_tokens * hidden));
+  std::vector<float> xs(static_cast<size_t>(n_tokens * hidden)), inv(static_cast<size_t>(n_tokens));
   std::vector<float> k(static_cast<size_t>(n_tokens * kv_rows)), v(static_cast<size_t>(n_tokens * kv_rows));
-  TM_TRY(tm_cpu_rmsnorm(x, norm_w, h.data(), n_tokens, hidden, eps, stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_q, h.data(), b_q, q, n_tokens, q_rows, hidden, 0, stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_k, h.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_v, h.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, stream));
+  TM_TRY(tm_cpu_rmsnorm_factors(x, norm_w, xs.data(), nullptr, inv.data(), n_tokens, hidden, eps, stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_k, xs.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, inv.data(), stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_v, xs.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, inv.data(), stream));
   return tm_cpu_rope_kv_append(q, k.data(), v.data(), k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                                max_ctx, freq_base, neox, stream);
 }
@@ -37,13 +41,17 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
 extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
                                               const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                               const void* w_down, const float* act, const int32_t* ids,
-                                              const float* weights, const float* h, float* x, int64_t n_tokens,
-                                              int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
-                                              void* stream) {
+                                              const float* weights, const float* h, float* x,
+                                              const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
+                                              int64_t top_k,
+                                              int64_t n_experts, int64_t hidden, int64_t ffn, void* stream) {
   TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
                                     1, hidden, ffn_sh, stream));
-  return tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
-                                    n_experts, hidden, ffn, stream);
+  TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
+                                    n_experts, hidden, ffn, stream));
+  if (xw == nullptr) return TM_OK;
+  std::vector<float> inv(static_cast<size_t>(n_tokens));  // the next norm's inv: its consumer computes it itself
+  return tm_cpu_rmsnorm_factors(x, next_norm_w, xw, xss, inv.data(), n_tokens, hidden, 1.0f, stream);
 }
 
 extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,

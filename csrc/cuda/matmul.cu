@@ -1,13 +1,15 @@
 /*
- * matmul.cu - tm_matmul on CUDA: y[t, r] = dot(W[r, :], x[t, :]) (+ bias[r]) (y[t, r] + that when accumulating).
+ * matmul.cu - tm_matmul on CUDA: y[t, r] = dot(W[r, :], x[t, :]) (* scale[t]) (+ bias[r]) (y[t, r] + that when
+ * accumulating).
  *
  * Launch shape: blocks of 8 warps; a warp computes 1 weight row (2 rows for decode calls with at least 64 rows
  * per SM, e.g. the output head, so that the activation loads are shared) for 1 token (n_tokens = 1) or a tile of
  * 4 tokens (so a weight row is read once per 4 tokens; the last tile repeats its last token in the unused slots
  * and does not store them); grid x = row groups, grid y = token tiles, more than max_grid_yz token tiles are split
  * into several launches.
- * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot + bias, y = y + v, each a
- * rounded add as in the CPU kernel. A (token, row) value is bitwise the same for any n_tokens and any chunking.
+ * Reduction order: qdot.cuh's warp_dot (fixed per format and row length), then v = dot * scale, v = v + bias,
+ * y = y + v, each a rounded operation as in the CPU kernel. The scale is a template flag (S): the kernels without
+ * it are unchanged, as the output head's timing is sensitive to its code (results/NOTES.md lessons 26, 30). A (token, row) value is bitwise the same for any n_tokens and any chunking.
  * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol).
  */
 #include "qdot.cuh"
@@ -33,11 +35,11 @@ constexpr int matmul_min_blocks() {
   return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
 }
 
-template <Fmt F, int NR, int NT, bool V>
+template <Fmt F, int NR, int NT, bool V, bool S>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  int64_t tile0) {
+                  const float* __restrict__ scale, int64_t tile0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
   const uint8_t* wr[NR];
@@ -64,6 +66,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, out);
     if (!owner) return;
     float v = out[0][0];
+    if constexpr (S) v = __fmul_rn(v, scale[t0]);
     if (bias != nullptr) v = __fadd_rn(v, b);
     *o = accumulate ? __fadd_rn(y_in, v) : v;
     return;
@@ -77,6 +80,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
       const int64_t r = r0 + i;
       if (lane == i * NT + t && r < rows && t0 + t < n_tokens) {
         float v = out[i][t];
+        if constexpr (S) v = __fmul_rn(v, scale[t0 + t]);
         if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + r));
         float* o = y + (t0 + t) * rows + r;
         *o = accumulate ? __fadd_rn(__ldcg(o), v) : v;  // in place: read around L1 (common.cuh)
@@ -87,7 +91,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
 
 template <Fmt F, int NR, int NT, bool V>
 int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const float* x, const float* bias, float* y,
-                  int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate) {
+                  int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
+                  const float* scale) {
   const int64_t gx = ceil_div(rows, kWarpsPerBlock * NR);
   const int64_t ny = ceil_div(n_tokens, NT);
   if (gx > lim.max_grid_x)
@@ -95,9 +100,13 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
                         static_cast<long long>(rows));
   for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
     const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
-    TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V>,
-                         dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kWarpsPerBlock * 32), 0, s,
-                         w, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, y0));
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+    if (scale != nullptr)
+      TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V, true>, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x,
+                    bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, scale, y0));
+    else
+      TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V, false>, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x,
+                    bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, scale, y0));
   }
   return TM_OK;
 }
@@ -108,12 +117,13 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
 using namespace tm_cuda;
 
 extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,
-                              int64_t rows, int64_t cols, int accumulate, void* stream) {
+                              int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_weight_alignment(fn, "w", qtype, w));
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "bias", bias));
   TM_TRY(check_f32_alignment(fn, "y", y));
+  TM_TRY(check_f32_alignment(fn, "scale", scale));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, cols);
@@ -128,10 +138,12 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
     constexpr bool V = decltype(vtag)::value;
     if (n_tokens == 1) {
       if (pair_rows)
-        return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate);
-      return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate);
+        return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
+                                         scale);
+      return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
+                                       scale);
     }
     return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
-                                              accumulate);
+                                              accumulate, scale);
   });
 }

@@ -14,7 +14,8 @@
  * router_experts_gate_up: the router's blocks and experts_gate_up's in one grid, ordered by integer flags instead
  *   of a launch boundary (see the kernel).
  * experts_down_accumulate: the shared expert's down and every slot's in one launch, bitwise the two launches
- *   (experts_down_kernel below).
+ *   (experts_down_kernel below); with next_norm_w it also writes xw = x * next_norm_w beside each x it stores (the
+ *   next layer's norm factor, norm.cuh's deferred form).
  * down_accumulate: blocks of 8 warps; grid x = tiles of 8 output rows, grid y = tokens (split by max_grid_yz).
  *   With gate_inp, warp 0 of every block first computes z = dot(gate_inp, h[t]) with warp_dot (F32 layout, same
  *   order in every block) and sigmoid(z) goes through shared memory. A warp then owns output row r of token t:
@@ -586,9 +587,11 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   5.92 us, results/NOTES.md v4o and lesson 37); else it prefetches the row into L2.
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
-//   add, from the float32 x read once. No term's bits depend on the grouping (qdot.cuh: a row's result does not
-//   depend on how many rows a warp reads at once).
+//   add, from the float32 x read once; with xw it also writes the next norm's factor, and the four rows' sum of
+//   squares (one group of norm.cuh's grouped sum) after a named barrier. No term's bits depend on the grouping
+//   (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
+static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
   return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
@@ -599,18 +602,42 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
+// Measurement knob (results/NOTES.md v11): 0, the epilogue by lane 0 of each shared warp, as before the partial
+// sums, the four rows meeting at a named barrier for the group's sum; 1, by warp 0's lanes (one row each, the sum by
+// shuffles), which ran 1.5 us a layer slower in the decode chain (c29e0bc, not understood). The same bits.
+#ifndef TM_DOWN_EPILOGUE_ONE_WARP
+#define TM_DOWN_EPILOGUE_ONE_WARP 0
+#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
 }
 
+// xw = x * w and x's group sums xss over [n_tokens, hidden] (the two-launch form's; norm.cuh's operations, so the
+// fused kernel's bits): one thread a group.
+__global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const float* __restrict__ w, float* xw,
+                                                          float* xss, int64_t n_tokens, int64_t hidden) {
+  pdl_begin();
+  const int64_t groups = norm_groups(hidden);
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_tokens * groups;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = k / groups, g = k % groups;
+    const float* xt = x + t * hidden;
+    for (int64_t i = g * kNormGroup; i < (g + 1) * kNormGroup && i < hidden; ++i)
+      xw[t * hidden + i] = norm_factor_xw(xt[i], __ldg(w + i));
+    xss[k] = group_sum_sq([&](int64_t i) { return xt[i]; }, g, hidden);
+  }
+}
+
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
-                        float* x, int gate_mode, int64_t tok0) {
+                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, int gate_mode,
+                        int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
   extern __shared__ __align__(16) float down_smem[];
   __shared__ uint64_t rows_landed[kSplitRows];
+  __shared__ float s_next_w[kSplitRows];  // next_norm_w of the rows lane 0 of each shared warp writes
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -629,6 +656,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   } else if (shared_warp && r0 + warp < sh.hidden && t == 0) {
     prefetch_row_l2(sh.w_down + (r0 + warp) * sh.row_bytes, sh.row_bytes, lane);
   }
+  // xw's weights (immutable) into shared memory before the wait: no register held across the dot, no load after it
+  if (xw != nullptr && shared_warp && lane == 0 && r0 + warp < sh.hidden)
+    s_next_w[warp] = __ldg(next_norm_w + r0 + warp);
   pdl_begin();
   stamp(1, kDownTimelineRow0);
   stamp(2, kDownTimelineRow0);
@@ -664,12 +694,44 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     }
   }
   __syncthreads();
-  const int64_t r = r0 + warp;
-  if (!shared_warp || lane != 0 || r >= sh.hidden) return;
-  float* xo = x + t * sh.hidden + r;
-  float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
-  for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
-  *xo = acc;
+#if !TM_DOWN_EPILOGUE_ONE_WARP
+  {  // lane 0 of shared warp w adds row r0 + w's terms; with xss, the four meet at a named barrier for the sum
+    __shared__ float s_rows[kSplitRows];
+    const int64_t r = r0 + warp;
+    if (!shared_warp) return;
+    if (lane == 0 && r < sh.hidden) {
+      float* xo = x + t * sh.hidden + r;
+      float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
+      for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
+      *xo = acc;
+      if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
+      s_rows[warp] = acc;
+    }
+    if (xss == nullptr) return;
+    named_barrier<kSplitRows * 32>(1);
+    if (warp == 0 && lane == 0)
+      xss[t * norm_groups(sh.hidden) + blockIdx.x] =
+          group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
+    return;
+  }
+#endif
+  // Lane j of warp 0 adds row r0 + j's terms to x; the block's rows are one group of the next normalisation's
+  // grouped sum (kNormGroup == kSplitRows), whose partial sum lane 0 writes beside xw
+  if (warp != 0) return;
+  const int64_t r = r0 + lane;
+  float acc = 0.0f;
+  if (lane < kSplitRows && r < sh.hidden) {
+    float* xo = x + t * sh.hidden + r;
+    acc = __fadd_rn(__ldcg(xo), s_shared[lane]);  // in place: read around L1 (common.cuh)
+    for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[lane * rt.top_k + s]);
+    *xo = acc;
+    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[lane]);
+  }
+  if (xss != nullptr) {  // the same condition for every lane: the shuffles see the whole warp
+    const float ss = group_sum_sq([&](int64_t i) { return __shfl_sync(kFullMask, acc, static_cast<int>(i - r0)); },
+                                  blockIdx.x, sh.hidden);
+    if (lane == 0) xss[t * norm_groups(sh.hidden) + blockIdx.x] = ss;
+  }
   stamp_end(kDownTimelineRow0);
 }
 
@@ -831,11 +893,15 @@ extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const 
 extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
                                                const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                                const void* w_down, const float* act, const int32_t* ids,
-                                               const float* weights, const float* h, float* x, int64_t n_tokens,
+                                               const float* weights, const float* h, float* x,
+                                               const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
                                                int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
                                                void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
+  TM_TRY(check_f32_alignment(fn, "xw", xw));
+  TM_TRY(check_f32_alignment(fn, "xss", xss));
   TM_TRY(check_f32_alignment(fn, "gate_sh", gate_sh));
   DownArgs sh, rt;
   int gate_mode, no_gate;
@@ -853,7 +919,11 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
   const int64_t gx = ceil_div(hidden, kSplitRows);
   auto two_launches = [&]() -> int {
     TM_TRY(launch_moe_down(lim, fn, qtype, sh, vs, gate_inp_sh, h, x, n_tokens, 0, 1, gate_mode, s));
-    return launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s);
+    TM_TRY(launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s));
+    if (xw == nullptr) return TM_OK;
+    const int64_t blocks = ceil_div(n_tokens * norm_groups(hidden), 256);
+    return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
+                  0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
   if (smem > 48 * 1024 || smem > lim.smem_block || gx > lim.max_grid_x) return two_launches();
@@ -868,7 +938,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
                           dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
-                          gate_mode, t0));
+                          next_norm_w, xw, xss, gate_mode, t0));
           }
           return TM_OK;
         };

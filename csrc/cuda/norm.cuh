@@ -8,8 +8,8 @@
  * the 8 warp totals sit in lanes 0..7 of one warp (lanes 8..31 hold +0) and are summed with warp_sum;
  * inv = 1 / sqrt(ss / dim + eps) (IEEE division and square root); y = (x * inv) * w, each a rounded product.
  * block_rms_inv evaluates it with a block of 256 threads (every warp sums the warp totals itself: one barrier);
- * block_rmsnorm writes y with it (tm_rmsnorm, the fused attention input, the router and both kinds of fused
- * gate-up block all normalise through it).
+ * block_rmsnorm writes y with it (tm_rmsnorm, the router and both kinds of fused gate-up block normalise through
+ * it). The deferred form (tm_rmsnorm_factors: the attention input) sums in another order, the grouped one, below.
  */
 #ifndef TORNADO_MOE_CUDA_NORM_CUH
 #define TORNADO_MOE_CUDA_NORM_CUH
@@ -114,6 +114,68 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
   float wv[kNormHeld];
   load_norm_weights(w, dim, wv);
   block_rmsnorm_held(x, w, wv, dim, eps, out, copy, scratch, barrier);
+}
+
+// ---- the deferred form (tm_rmsnorm_factors) --------------------------------------------------------------------
+// A normalised product dot(W, y) with y = rms_apply(x, inv, w) is computed as dot(W, xw) * inv, xw = x * w: xw
+// needs no reduction (the kernel that writes x writes it as well), so a consumer streams its weights from its first
+// instruction and needs inv only after its dot products (results/NOTES.md v10: the norm at the start of qkv_rope's
+// and the gate-up's blocks held every resident block for ~1.4 us).
+//
+// Its inv has a tree of its own, the grouped sum (tornado_moe.h, tm_rmsnorm_factors), so that it needs neither a
+// copy of x nor a block barrier in the consumer: the kernel that writes x also writes the sums of squares of groups
+// of kNormGroup consecutive values (xss; experts_down_kernel's blocks own kNormGroup rows each), and any one warp
+// adds them up alone, reading 2 KB through L1 (results/NOTES.md v11: from L2, every warp of 384 blocks asking for the
+// same lines, it cost ~3 us a layer; through L1 0.2-0.4).
+
+__device__ __forceinline__ float norm_factor_xw(float x, float w) { return __fmul_rn(x, w); }
+
+constexpr int kNormGroup = TM_NORM_GROUP;
+__host__ __device__ inline int64_t norm_groups(int64_t dim) { return (dim + kNormGroup - 1) / kNormGroup; }
+
+// Group g's sum of squares: ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3 over value(4 g + j) < dim, each rounded.
+template <class Value>
+__device__ __forceinline__ float group_sum_sq(Value value, int64_t g, int64_t dim) {
+  float ss = 0.0f;  // +0 + v * v is v * v exactly
+#pragma unroll
+  for (int j = 0; j < kNormGroup; ++j) {
+    const int64_t i = g * kNormGroup + j;
+    if (i < dim) {
+      const float v = value(i);
+      ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+  }
+  return ss;
+}
+
+// inv from the group sums partial(g), g < norm_groups(dim), by one warp (every lane gets it): lane l adds its chunk
+// of ceil(groups / 32) consecutive groups in increasing order, warp_sum adds the 32 lane sums.
+__host__ __device__ inline int64_t norm_lane_chunk(int64_t dim) { return (norm_groups(dim) + 31) / 32; }
+template <class Partial>
+__device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, float eps) {
+  const int64_t groups = norm_groups(dim), chunk = norm_lane_chunk(dim);
+  const int64_t g0 = (threadIdx.x & 31) * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t g = g0; g < g1; ++g) ss = __fadd_rn(ss, partial(g));
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
+}
+// The same from sums in global memory that no thread of this grid writes, through L1 (the block's warps and the
+// SM's blocks share the lines; results/NOTES.md v11) 16 bytes at a time, one round trip: every lane's chunk whole
+// and 16-byte aligned (grouped_inv_vector_ok).
+__device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
+  return norm_groups(dim) % 128 == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
+}
+__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t k = 0; k < quads; ++k) {
+    const float4 v = __ldg(p + k);
+    ss = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
+  }
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
 }
 
 }  // namespace tm_cuda

@@ -7,7 +7,8 @@
  *   kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
  * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
  *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
- *   (x is therefore read with plain loads).
+ *   (x is therefore read with plain loads). rmsnorm_factors: the same blocks; warp 0 evaluates the deferred form's
+ *   grouped sum (norm.cuh), writing inv and the partial sums xss, then every thread writes xw = x * w.
  */
 #include <cmath>
 
@@ -26,6 +27,29 @@ __global__ void __launch_bounds__(kNormThreads)
     // y may alias x: each thread writes only what it read, after block_rms_inv's barriers, and the closing
     // barrier puts the next token's reads after these writes
     block_rmsnorm(xt, w, dim, eps, yt, nullptr, scratch);
+  }
+}
+
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_factors_kernel(const float* x, const float* __restrict__ w, float* xw, float* xss, float* inv,
+                           int64_t n_tokens, int64_t dim, float eps) {
+  pdl_begin();
+  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
+    const float* xt = x + t * dim;
+    if (threadIdx.x < 32) {  // warp 0: the grouped sums (norm.cuh) and inv
+      float* st = xss != nullptr ? xss + t * norm_groups(dim) : nullptr;
+      const float r = warp_grouped_inv(
+          [&](int64_t g) {
+            const float ss = group_sum_sq([&](int64_t i) { return xt[i]; }, g, dim);
+            if (st != nullptr) st[g] = ss;
+            return ss;
+          },
+          dim, eps);
+      if (threadIdx.x == 0) inv[t] = r;
+    }
+    __syncthreads();  // xw may alias x: every read of x for the sums before the first write of xw
+    float* ot = xw + t * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) ot[i] = norm_factor_xw(xt[i], __ldg(w + i));
   }
 }
 
@@ -97,6 +121,23 @@ extern "C" int tm_cuda_embedding(int qtype, const void* table, const int32_t* id
   if (blocks > max_blocks) blocks = max_blocks;
   return launch(lim, fn, embedding_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, as_stream(stream), qtype,
                 static_cast<const uint8_t*>(table), ids, out, n_tokens, vocab, dim, tm_qtype_row_bytes(qtype, dim));
+}
+
+extern "C" int tm_cuda_rmsnorm_factors(const float* x, const float* w, float* xw, float* xss, float* inv,
+                                       int64_t n_tokens, int64_t dim, float eps, void* stream) {
+  const char* fn = "tm_rmsnorm_factors";
+  TM_TRY(check_f32_alignment(fn, "x", x));
+  TM_TRY(check_f32_alignment(fn, "w", w));
+  TM_TRY(check_f32_alignment(fn, "xw", xw));
+  TM_TRY(check_f32_alignment(fn, "xss", xss));
+  TM_TRY(check_f32_alignment(fn, "inv", inv));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  int64_t blocks = n_tokens;
+  const int64_t max_blocks = static_cast<int64_t>(lim.sm_count) * 32;
+  if (blocks > max_blocks) blocks = max_blocks;
+  return launch(lim, fn, rmsnorm_factors_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kNormThreads), 0,
+                as_stream(stream), x, w, xw, xss, inv, n_tokens, dim, eps);
 }
 
 extern "C" int tm_cuda_rmsnorm(const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim, float eps,

@@ -310,6 +310,11 @@ __device__ __forceinline__ void dot_step(float (&acc)[NR][NT], const typename T:
   }
 }
 
+// warp_dot's hook when there is none.
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // Registers per lane that warp_dot_q8t fills with one batch of loads (a tuning knob, see results/NOTES.md).
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
@@ -342,11 +347,11 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT]) {
+                                          float (&acc)[NR][NT], const Hook& hook, bool first) {
   using T = Q8TiledTraits;
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
@@ -387,6 +392,7 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+  if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
@@ -419,9 +425,9 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false>
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                             int64_t nblocks, float (&out)[NR][NT]) {
+                                             int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
   const int lane = threadIdx.x & 31;
@@ -446,7 +452,8 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+                                                     hook, g0 == 0);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       code[r] += kGroups * 512;
@@ -457,7 +464,8 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc);
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+                                                      hook, g0 == 0);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -533,15 +541,22 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //              row length nblocks * kVals); every lane must call this (full-warp shuffles), out[r][t] is the same
 //              on all lanes.
 //   SM       : the rows w[r] are copies in shared memory (tiled layouts only; bulk_row_to_smem in common.cuh).
-template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false>
-__device__ __forceinline__ void warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
-                                         int64_t nblocks, float (&out)[NR][NT]) {
+//   hook     : (tiled layouts) called once, by every lane, while the first batch's weight loads are in flight
+//              (work that would otherwise wait for the dot product: the deferred norm's inv, norm.cuh); it must
+//              not touch the dot's registers. Not called for the other layouts, nor for rows without a batch:
+//              the caller then runs it after the dot product (warp_dot returns whether it ran).
+template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
+__device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+                                         int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   static_assert(!SM || fmt_tiled(F), "only the tiled reader reads rows from shared memory");
-  if constexpr (fmt_tiled(F))
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out);
-  else
+  if constexpr (fmt_tiled(F)) {
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out, hook);
+    return nblocks >= 4;  // at least one step, so one batch, ran: the hook with it
+  } else {
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
+    return false;
+  }
 }
 
 // A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with

@@ -116,10 +116,29 @@ TM_API int tm_embedding(tm_device device, int qtype, const void* table, const in
 TM_API int tm_rmsnorm(tm_device device, const float* x, const float* w, float* y, int64_t n_tokens, int64_t dim,
                       float eps, void* stream);
 
-/* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (+ bias[r] if bias) ; if accumulate:
- * y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias nullable (float32 [rows]). */
+/* The two factors of the deferred RMSNorm: xw[t, i] = x[t, i] * w[i] (a rounded product) and
+ * inv[t] = 1 / sqrt(ss / dim + eps) (IEEE division and square root), so that y = (x * inv) * w is the row's RMSNorm.
+ * A normalised product is then dot(W, xw) * inv (tm_matmul's scale): xw needs no reduction, so the kernel that
+ * writes x can write it too, and a kernel that consumes it streams its weights at once and needs inv only after the
+ * dot product (results/NOTES.md v10-v11). ss has its own order, the grouped sum, so that the kernel that writes x
+ * can also leave its partial sums: xss[t, g] (g < tm_norm_groups(dim); xss nullable) = ((x0*x0 + x1*x1) + x2*x2) +
+ * x3*x3 over x[t, 4g .. 4g + 3] (TM_NORM_GROUP values; fewer at the row's end), each product and sum rounded;
+ * lane l of 32 sums its chunk of c = ceil(groups / 32) consecutive groups, xss[t, l*c .. l*c + c - 1], in
+ * increasing order, and the 32 lane sums are added as a butterfly (m = 16, 8, 4, 2, 1: s_l = s_l + s_(l xor m));
+ * ss is that total. x and xw may alias. */
+TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, float* xw, float* xss, float* inv,
+                              int64_t n_tokens, int64_t dim, float eps, void* stream);
+
+/* Values per group of tm_rmsnorm_factors' grouped sum, and the groups (xss's floats) of a row of dim values. */
+#define TM_NORM_GROUP 4
+static inline int64_t tm_norm_groups(int64_t dim) { return (dim + TM_NORM_GROUP - 1) / TM_NORM_GROUP; }
+
+/* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (* scale[t] if scale) (+ bias[r] if bias), each a
+ * rounded operation; if accumulate: y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias
+ * nullable (float32 [rows]); scale nullable (float32 [n_tokens]: tm_rmsnorm_factors' inv, so that x = xw gives the
+ * normalised product). */
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, void* stream);
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);
 
 /* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
  * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.
@@ -130,12 +149,16 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
                              int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
                              void* stream);
 
-/* The attention input of a layer in one launch: h = rmsnorm(x, norm_w, eps) as tm_rmsnorm; q = W_q h + b_q,
- * k = W_k h + b_k, v = W_v h + b_v as tm_matmul (W_q [n_heads * head_dim, hidden], W_k and W_v
- * [n_kv_heads * head_dim, hidden], all of qtype; biases nullable); then RoPE and the KV append as tm_rope_kv_append:
- * the rotated q into q [T, n_heads, head_dim], the rotated k and v into k_cache/v_cache at row pos[0] + t. Bitwise the
- * result of those five calls in sequence on the same device; h, k and v are never stored. */
-TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* norm_w, float eps, const void* w_q,
+/* The attention input of a layer in one launch: (xw, inv) = tm_rmsnorm_factors(x, norm_w, eps); q = W_q xw * inv
+ * + b_q, k = W_k xw * inv + b_k, v = W_v xw * inv + b_v as tm_matmul with scale inv (W_q [n_heads * head_dim,
+ * hidden], W_k and W_v [n_kv_heads * head_dim, hidden], all of qtype; biases nullable); then RoPE and the KV append
+ * as tm_rope_kv_append: the rotated q into q [T, n_heads, head_dim], the rotated k and v into k_cache/v_cache at row
+ * pos[0] + t. Bitwise the result of those five calls in sequence on the same device; k and v are never stored.
+ * xw and xss (both or neither, [T, hidden] and [T, tm_norm_groups(hidden)]): x * norm_w and x's partial sums of
+ * squares (tm_rmsnorm_factors') as the kernel that wrote x also wrote them (tm_experts_down_accumulate's xw and
+ * xss); NULL: computed here (the same bits, later). */
+TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
+                       const float* norm_w, float eps, const void* w_q,
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
@@ -235,13 +258,16 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  * [T, ffn_sh]; the routed arguments as tm_moe_down_accumulate's. The shared term's gate, at most one of:
  * gate_inp_sh (float32 [hidden]: sigmoid(dot(gate_inp_sh, h[t, :])) computed here, h then required), or gate_sh
  * (float32 [n_tokens]: those factors as tm_router_experts_gate_up wrote them; h may then be NULL); neither: no
- * gate. */
+ * gate. next_norm_w, xw and xss (all or none; float32 [hidden], [T, hidden] and [T, tm_norm_groups(hidden)]): also
+ * xw[t, r] = x[t, r] * next_norm_w[r], the first factor of the next normalisation, and xss, the partial sums of
+ * squares of the x written here (both as tm_rmsnorm_factors writes them), so that the next layer's tm_qkv_rope need
+ * not compute them. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                       const void* w_down,
                                       const float* act, const int32_t* ids, const float* weights, const float* h,
-                                      float* x, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden,
-                                      int64_t ffn, void* stream);
+                                      float* x, const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
+                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
 
 /* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
 #define TM_FFN_MAX_BLOCKS 1024

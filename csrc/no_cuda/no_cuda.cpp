@@ -19,15 +19,20 @@ int tm_cuda_embedding(int, const void*, const int32_t*, float*, int64_t, int64_t
 int tm_cuda_rmsnorm(const float*, const float*, float*, int64_t, int64_t, float, void*) {
   return no_cuda("tm_rmsnorm");
 }
-int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, void*) {
+int tm_cuda_rmsnorm_factors(const float*, const float*, float*, float*, float*, int64_t, int64_t, float, void*) {
+  return no_cuda("tm_rmsnorm_factors");
+}
+int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, const float*,
+                   void*) {
   return no_cuda("tm_matmul");
 }
 int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, const int32_t*, int64_t, int64_t,
                            int64_t, int64_t, int64_t, float, int, void*) {
   return no_cuda("tm_rope_kv_append");
 }
-int tm_cuda_qkv_rope(int, const float*, const float*, float, const void*, const void*, const void*, const float*,
-                     const float*, const float*, float*, float*, float*, const int32_t*, int64_t, int64_t, int64_t,
+int tm_cuda_qkv_rope(int, const float*, const float*, const float*, const float*, float, const void*, const void*,
+                     const void*,
+                     const float*, const float*, const float*, float*, float*, float*, const int32_t*, int64_t, int64_t, int64_t,
                      int64_t, int64_t, int64_t, float, int, void*) {
   return no_cuda("tm_qkv_rope");
 }
@@ -67,8 +72,8 @@ int tm_cuda_router_experts_ffn_launches(int, int64_t, int64_t, int64_t, int64_t,
   return no_cuda("tm_router_experts_ffn_launches");
 }
 int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, const float*, int64_t, const void*,
-                                    const float*, const int32_t*, const float*, const float*, float*, int64_t,
-                                    int64_t, int64_t, int64_t, int64_t, void*) {
+                                    const float*, const int32_t*, const float*, const float*, float*, const float*,
+                                    float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, void*) {
   return no_cuda("tm_experts_down_accumulate");
 }
 int tm_cuda_moe_down_accumulate(int, const void*, const float*, const int32_t*, const float*, const float*,

@@ -138,16 +138,30 @@ void rmsnorm(const Tensor& x, const Tensor& w, const Tensor& y, int64_t n_tokens
   a.check(tm_rmsnorm(a.device(), x_p, w_p, y_p, n_tokens, dim, static_cast<float>(eps), as_stream(stream)));
 }
 
+void rmsnorm_factors(const Tensor& x, const Tensor& w, const Tensor& xw, const OptTensor& xss, const Tensor& inv,
+                     int64_t n_tokens, int64_t dim, double eps, int64_t stream) {
+  Args a("tornado_moe.rmsnorm_factors");
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * dim);
+  const float* w_p = a.data<const float>(w, "w", kF32, dim);
+  float* xw_p = a.data<float>(xw, "xw", kF32, n_tokens * dim);
+  float* xss_p = a.optional<float>(xss, "xss", kF32, n_tokens * tm_norm_groups(dim));
+  float* inv_p = a.data<float>(inv, "inv", kF32, n_tokens);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_rmsnorm_factors(a.device(), x_p, w_p, xw_p, xss_p, inv_p, n_tokens, dim, static_cast<float>(eps),
+                             as_stream(stream)));
+}
+
 void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
-            int64_t rows, int64_t cols, bool accumulate, int64_t stream) {
+            int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, int64_t stream) {
   Args a("tornado_moe.matmul");
   const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
   const float* b_p = a.optional<const float>(bias, "bias", kF32, rows);
   float* y_p = a.data<float>(y, "y", kF32, n_tokens * rows);
+  const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
-                    as_stream(stream)));
+                    s_p, as_stream(stream)));
 }
 
 void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
@@ -165,14 +179,17 @@ void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                             max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
 }
 
-void qkv_rope(int64_t qtype, const Tensor& x, const Tensor& norm_w, double eps, const Tensor& w_q, const Tensor& w_k,
-              const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
+void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTensor& xss, const Tensor& norm_w, double eps,
+              const Tensor& w_q,
+              const Tensor& w_k, const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
               const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos, int64_t n_tokens, int64_t hidden,
               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, double freq_base, bool neox,
               int64_t stream) {
   Args a("tornado_moe.qkv_rope");
   const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
+  const float* xw_p = a.optional<const float>(xw, "xw", kF32, n_tokens * hidden);
+  const float* xss_p = a.optional<const float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
   const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
   const void* wq_p = a.weights(w_q, "w_q", qtype, q_rows * row_bytes(qtype, hidden));
   const void* wk_p = a.weights(w_k, "w_k", qtype, kv_rows * row_bytes(qtype, hidden));
@@ -185,9 +202,9 @@ void qkv_rope(int64_t qtype, const Tensor& x, const Tensor& norm_w, double eps, 
   float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p, bq_p,
-                      bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx,
-                      static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
+  a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, xw_p, xss_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p,
+                      bq_p, bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim,
+                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
@@ -379,8 +396,9 @@ void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act,
 void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tensor& act_sh, const OptTensor& gate_inp_sh,
                              const OptTensor& gate_sh, int64_t ffn_sh, const Tensor& w_down, const Tensor& act,
                              const Tensor& ids, const OptTensor& weights, const OptTensor& h, const Tensor& x,
-                             int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
-                             int64_t stream) {
+                             const OptTensor& next_norm_w, const OptTensor& xw, const OptTensor& xss, int64_t n_tokens,
+                             int64_t top_k,
+                             int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
   Args a("tornado_moe.experts_down_accumulate");
   const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
@@ -392,9 +410,12 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
   const float* wt_p = a.optional<const float>(weights, "weights", kF32, n_tokens * top_k);
   const float* h_p = a.optional<const float>(h, "h", kF32, n_tokens * hidden);
   float* x_p = a.data<float>(x, "x", kF32, n_tokens * hidden);
+  const float* nw_p = a.optional<const float>(next_norm_w, "next_norm_w", kF32, hidden);
+  float* xw_p = a.optional<float>(xw, "xw", kF32, n_tokens * hidden);
+  float* xss_p = a.optional<float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, gs_p, ffn_sh, w_p,
-                                     act_p, ids_p, wt_p, h_p, x_p, n_tokens, top_k, n_experts, hidden, ffn,
+                                     act_p, ids_p, wt_p, h_p, x_p, nw_p, xw_p, xss_p, n_tokens, top_k, n_experts, hidden, ffn,
                                      as_stream(stream)));
 }
 
@@ -465,12 +486,14 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("embedding(int qtype, Tensor table, Tensor ids, Tensor(a!) out, int n_tokens, int vocab, int dim, "
         "int stream) -> ()");
   m.def("rmsnorm(Tensor x, Tensor w, Tensor(a!) y, int n_tokens, int dim, float eps, int stream) -> ()");
+  m.def("rmsnorm_factors(Tensor x, Tensor w, Tensor(a!) xw, Tensor(b!)? xss, Tensor(c!) inv, int n_tokens, int dim, "
+        "float eps, int stream) -> ()");
   m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
-        "bool accumulate, int stream) -> ()");
+        "bool accumulate, Tensor? scale, int stream) -> ()");
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
-  m.def("qkv_rope(int qtype, Tensor x, Tensor norm_w, float eps, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, "
+  m.def("qkv_rope(int qtype, Tensor x, Tensor? xw, Tensor? xss, Tensor norm_w, float eps, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, "
         "Tensor? b_k, Tensor? b_v, Tensor(a!) q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, int n_tokens, "
         "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
@@ -498,8 +521,9 @@ TORCH_LIBRARY(tornado_moe, m) {
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
   m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, Tensor? gate_sh, "
-        "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, int n_tokens, "
-        "int top_k, int n_experts, int hidden, int ffn, int stream) -> ()");
+        "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, "
+        "Tensor? next_norm_w, Tensor(b!)? xw, Tensor(c!)? xss, int n_tokens, int top_k, int n_experts, int hidden, int ffn, "
+        "int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
@@ -524,6 +548,7 @@ TORCH_LIBRARY(tornado_moe, m) {
 #define TM_REGISTER_KERNELS(m)                              \
   m.impl("embedding", &embedding);                         \
   m.impl("rmsnorm", &rmsnorm);                             \
+  m.impl("rmsnorm_factors", &rmsnorm_factors);             \
   m.impl("matmul", &matmul);                               \
   m.impl("rope_kv_append", &rope_kv_append);               \
   m.impl("qkv_rope", &qkv_rope);                           \

@@ -64,6 +64,12 @@ class Activations:
         self.max_context = max_context
         self.x = torch.zeros(T, cfg.hidden, **f32)
         self.h = torch.zeros(T, cfg.hidden, **f32)
+        # the deferred norm's factors (rmsnorm_factors): xw = x * norm_w and x's partial sums of squares xss,
+        # written by the kernel that writes x (experts_down_accumulate) for the next qkv_rope, and inv where a
+        # task computes it
+        self.xw = torch.zeros(T, cfg.hidden, **f32)
+        self.xss = torch.zeros(T, tm_ops.norm_groups(cfg.hidden), **f32)
+        self.norm_inv = torch.zeros(T, **f32)
         self.q = torch.zeros(T, cfg.n_heads * cfg.head_dim, **f32)
         self.k = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
         self.v = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)

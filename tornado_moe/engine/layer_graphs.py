@@ -2,7 +2,10 @@
 
 A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
-  the five unfused kernels; used when q, k and v share a weight format, else those five tasks);
+  the five unfused kernels; used when q, k and v share a weight format, else those five tasks). Its norm is
+  deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
+  xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
+  each warp evaluates inv alone after them;
 - ``attention``, ``attn_output`` (+ residual);
 - ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
   launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
@@ -82,6 +85,39 @@ def _same_format(*ws: DeviceWeight) -> int:
     return ws[0].qtype
 
 
+def _qkv_fused(dm: DeviceModel, i: int) -> bool:
+    """Whether layer i's attention input is one qkv_rope launch (q, k and v share a weight format)."""
+    L = dm.layers[i]
+    return _w(L, "attn_q").qtype == _w(L, "attn_k").qtype == _w(L, "attn_v").qtype
+
+
+def _ffn_in_one_launch(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
+    """Whether layer i's FFN half is the library's one-launch router_experts_ffn (module docstring)."""
+    cfg, L = dm.config, dm.layers[i]
+    if not (fuse_experts and cfg.n_experts and cfg.shared_ffn and n_tokens == 1):
+        return False
+    qt = _same_format(_w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps"))
+    if not (_same_format(_w(L, "ffn_gate_shexp"), _w(L, "ffn_up_shexp")) == qt
+            == _w(L, "ffn_down_shexp").qtype == _w(L, "ffn_down_exps").qtype):
+        return False
+    return tm_ops.router_experts_ffn_launches(dm.device, qt, n_tokens, cfg.n_experts, cfg.top_k, cfg.hidden,
+                                              cfg.shared_ffn, cfg.expert_ffn) == 1
+
+
+def _fused_down(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
+    """Whether layer i's FFN ends with experts_down_accumulate, which can write the next layer's xw."""
+    cfg, L = dm.config, dm.layers[i]
+    return bool(fuse_experts and cfg.n_experts and cfg.shared_ffn
+                and _w(L, "ffn_down_shexp").qtype == _w(L, "ffn_down_exps").qtype
+                and not _ffn_in_one_launch(dm, i, n_tokens, fuse_experts))
+
+
+def _writes_next_xw(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
+    """Whether layer i's down writes xw = x * attn_norm of layer i + 1, for that layer's qkv_rope."""
+    return (i + 1 < dm.config.n_layers and _qkv_fused(dm, i + 1)
+            and _fused_down(dm, i, n_tokens, fuse_experts))
+
+
 def embedding_graph(dm: DeviceModel, act: Activations, n_tokens: int) -> ImmutableTaskGraph:
     cfg, e = dm.config, dm.token_embd
     g = TaskGraph("embedding").transfer_to_device(DataTransferMode.EVERY_EXECUTION, act.tokens)
@@ -96,22 +132,27 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     g = TaskGraph(f"layer{i}")
     wq, wk, wv = _w(L, "attn_q"), _w(L, "attn_k"), _w(L, "attn_v")
     heads = (cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
-    if wq.qtype == wk.qtype == wv.qtype:
-        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, _f32(L, "attn_norm"), cfg.rms_eps, wq.data, wk.data,
-               wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"), act.q,
-               act.k_cache[i], act.v_cache[i], act.position, T, H, *heads)
-    else:
-        g.task("attn_norm", "rmsnorm", act.x, _f32(L, "attn_norm"), act.h, T, H, cfg.rms_eps)
+    if _qkv_fused(dm, i):
+        # xw and xss: x's factors as the previous layer's down wrote them, when it did (else computed here)
+        given = i > 0 and _writes_next_xw(dm, i - 1, T, fuse_experts)
+        xw, xss = (act.xw, act.xss) if given else (None, None)
+        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, xw, xss, _f32(L, "attn_norm"), cfg.rms_eps, wq.data,
+               wk.data, wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"),
+               act.q, act.k_cache[i], act.v_cache[i], act.position, T, H, *heads)
+    else:  # the five tasks qkv_rope stands for: the deferred norm's factors, the products scaled by inv, rope
+        g.task("attn_norm", "rmsnorm_factors", act.x, _f32(L, "attn_norm"), act.h, None, act.norm_inv, T, H,
+               cfg.rms_eps)
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
-                   rows, H, False)
+                   rows, H, False, act.norm_inv)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context)
     wo = _w(L, "attn_output")
-    g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True)
+    g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
+           None)
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
@@ -158,13 +199,16 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
             gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_io, qt, sg.data,
                          su.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, act.act, T, E, H, k,
                          cfg.normalize_topk, ffn, act.router_scratch)]
-        if fuse_experts and cfg.shared_ffn and sd.qtype == wd.qtype:
+        if _fused_down(dm, i, T, fuse_experts):
             gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
+            # and the next layer's xw and xss, which its qkv_rope then reads instead of computing them
+            next_w, xw, xss = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw, act.xss)
+                               if _writes_next_xw(dm, i, T, fuse_experts) else (None, None, None))
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
-                      gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, T, k, E, H, ffn)]
+                      gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, next_w, xw, xss,
+                      T, k, E, H, ffn)]
         # A decode step whose FFN half the library runs in one launch (csrc/cuda/moe_ffn.cu): one task.
-        if (fuse_router and T == 1 and sd.qtype == wd.qtype == qt
-                and tm_ops.router_experts_ffn_launches(dm.device, qt, T, E, k, H, dffn, ffn) == 1):
+        if _ffn_in_one_launch(dm, i, T, fuse_experts):
             gate_ups = [("router_experts_ffn", "router_experts_ffn", *router_io, qt, sg.data, su.data,
                          sd.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, wd.data, act.act, T,
                          E, H, k, cfg.normalize_topk, ffn, act.router_scratch)]
@@ -183,7 +227,8 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     logits = act.logits[:1]
     g = TaskGraph("logits")
     g.task("output_norm", "rmsnorm", last_x, dm.output_norm.floats, last_h, 1, cfg.hidden, cfg.rms_eps)
-    g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False)
+    g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False,
+           None)
     next_token = act.tokens[:1]
     if sampler.greedy:
         g.task("argmax", "argmax", logits, next_token, 1, cfg.vocab)

@@ -19,6 +19,7 @@ from tornado_moe.native import load_torch_ops
 __all__ = [
     "KERNEL_ARGS",
     "KERNEL_NAMES",
+    "NORM_GROUP",
     "DeviceProps",
     "advance_position",
     "argmax",
@@ -33,8 +34,10 @@ __all__ = [
     "moe_down_accumulate",
     "moe_gate_up",
     "native_version",
+    "norm_groups",
     "qkv_rope",
     "rmsnorm",
+    "rmsnorm_factors",
     "rmsnorm_router_topk",
     "rope_kv_append",
     "router_experts_ffn",
@@ -56,12 +59,13 @@ __all__ = [
 KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
     "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
-    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate"),
+    "rmsnorm_factors": ("x", "w", "xw", "xss", "inv", "n_tokens", "dim", "eps"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
-    "qkv_rope": ("qtype", "x", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q", "k_cache",
-                 "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim", "max_ctx",
-                 "freq_base", "neox"),
+    "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
+                 "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim",
+                 "max_ctx", "freq_base", "neox"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
                   "max_ctx"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
@@ -83,8 +87,8 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
-                                "act", "ids", "weights", "h", "x", "n_tokens", "top_k", "n_experts", "hidden",
-                                "ffn"),
+                                "act", "ids", "weights", "h", "x", "next_norm_w", "xw", "xss", "n_tokens",
+                                "top_k", "n_experts", "hidden", "ffn"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
     "advance_position": ("pos", "delta", "token", "log", "log_len"),
@@ -124,6 +128,24 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_tokens: int, di
     _ops().rmsnorm(x, w, y, n_tokens, dim, eps, stream_of(y))
 
 
+#: Values per group of the deferred norm's grouped sum of squares (tornado_moe.h's TM_NORM_GROUP).
+NORM_GROUP = 4
+
+
+def norm_groups(dim: int) -> int:
+    """Floats of a row's partial sums of squares (``xss``) for a row of ``dim`` values."""
+    return -(-dim // NORM_GROUP)
+
+
+def rmsnorm_factors(x: torch.Tensor, w: torch.Tensor, xw: torch.Tensor, xss: torch.Tensor | None,
+                    inv: torch.Tensor, n_tokens: int, dim: int, eps: float) -> None:
+    """The deferred RMSNorm's factors: xw = x * w and inv[t] = 1 / rms(x[t]), so that (x * inv) * w is the
+    normalised row and matmul(x=xw, scale=inv) the normalised product. The sum of squares has its own order
+    (tornado_moe.h: groups of NORM_GROUP values, whose sums ``xss`` [n_tokens, norm_groups(dim)] also
+    receives, so that a kernel that writes x can leave them for its consumer)."""
+    _ops().rmsnorm_factors(x, w, xw, xss, inv, n_tokens, dim, eps, stream_of(xw))
+
+
 def matmul(
     qtype: int,
     w: torch.Tensor,
@@ -134,8 +156,10 @@ def matmul(
     rows: int,
     cols: int,
     accumulate: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, stream_of(y))
+    """y = W x (* scale[t]) (+ bias) (+ y when accumulating)."""
+    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, stream_of(y))
 
 
 def rope_kv_append(
@@ -174,6 +198,8 @@ def rope_kv_append(
 def qkv_rope(
     qtype: int,
     x: torch.Tensor,
+    xw: torch.Tensor | None,
+    xss: torch.Tensor | None,
     norm_w: torch.Tensor,
     eps: float,
     w_q: torch.Tensor,
@@ -195,9 +221,12 @@ def qkv_rope(
     freq_base: float,
     neox: bool,
 ) -> None:
-    """rmsnorm + the q, k, v products + RoPE and KV append in one launch (bitwise those five kernels)."""
-    _ops().qkv_rope(qtype, x, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos, n_tokens,
-                    hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, stream_of(q))
+    """rmsnorm_factors + the q, k, v products scaled by inv + RoPE and KV append in one launch (bitwise those
+    five kernels). ``xw`` and ``xss``: x * norm_w and x's partial sums of squares as the kernel that wrote x
+    wrote them (experts_down_accumulate), or both None (computed here).
+    """
+    _ops().qkv_rope(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
+                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, stream_of(q))
 
 
 def attention(
@@ -453,6 +482,9 @@ def experts_down_accumulate(
     weights: torch.Tensor | None,
     h: torch.Tensor | None,
     x: torch.Tensor,
+    next_norm_w: torch.Tensor | None,
+    xw: torch.Tensor | None,
+    xss: torch.Tensor | None,
     n_tokens: int,
     top_k: int,
     n_experts: int,
@@ -461,9 +493,12 @@ def experts_down_accumulate(
 ) -> None:
     """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls). The
     shared term's gate comes from at most one of ``gate_inp_sh`` (computed here from h) and ``gate_sh`` (the
-    factors router_experts_gate_up wrote: the same bits)."""
+    factors router_experts_gate_up wrote: the same bits). With ``next_norm_w`` also ``xw`` = x * next_norm_w
+    and ``xss``, x's partial sums of squares: the next normalisation's factors as rmsnorm_factors writes them,
+    for the next layer's qkv_rope."""
     _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down, act, ids,
-                                   weights, h, x, n_tokens, top_k, n_experts, hidden, ffn, stream_of(x))
+                                   weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden,
+                                   ffn, stream_of(x))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:

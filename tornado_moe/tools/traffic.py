@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tornado_moe.graph.task_graph import Task
-from tornado_moe.kernels.ops import KERNEL_ARGS
+from tornado_moe.kernels.ops import KERNEL_ARGS, norm_groups
 
 __all__ = ["TaskBytes", "task_bytes"]
 
@@ -97,7 +97,10 @@ def _experts_down_bytes(T: int, a: dict) -> TaskBytes:
     sh = _down_bytes(T, a["w_down_sh"], None, a["gate_sh"], a["gate_inp_sh"], 1, 1, a["ffn_sh"], a["hidden"])
     rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
                      a["hidden"])
-    return TaskBytes(sh.weights + rt.weights, sh.activations + rt.activations - 2 * F32 * T * a["hidden"])
+    # the next norm's factor and partial sums written beside x
+    xw = F32 * T * (a["hidden"] + norm_groups(a["hidden"])) if a.get("xw") is not None else 0
+    return TaskBytes(sh.weights + rt.weights + _nbytes(a.get("next_norm_w")),
+                     sh.activations + rt.activations - 2 * F32 * T * a["hidden"] + xw)
 
 
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
@@ -113,6 +116,9 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         return TaskBytes(T * _nbytes(a["table"]) / a["vocab"], T * I32 + F32 * T * a["dim"])
     if k == "rmsnorm":
         return TaskBytes(_nbytes(a["w"]), 2 * F32 * T * a["dim"])
+    if k == "rmsnorm_factors":
+        xss = F32 * T * norm_groups(a["dim"]) if a["xss"] is not None else 0
+        return TaskBytes(_nbytes(a["w"]), 2 * F32 * T * a["dim"] + F32 * T + xss)
     if k == "matmul":
         out = F32 * T * a["rows"] * (2 if a["accumulate"] else 1)
         return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]), F32 * T * a["cols"] + out)
@@ -124,7 +130,9 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         q = F32 * T * a["n_heads"] * a["head_dim"]
         kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
         w = sum(_nbytes(a[n]) for n in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "norm_w"))
-        return TaskBytes(w, F32 * T * a["hidden"] + q + 2 * kv + I32)  # x read; q, k and v cache rows written
+        # x read, or xw and the partial sums when given
+        x = F32 * T * (a["hidden"] + (norm_groups(a["hidden"]) if a["xw"] is not None else 0))
+        return TaskBytes(w, x + q + 2 * kv + I32)  # q, k and v cache rows written
     if k == "attention":
         q = F32 * T * a["n_heads"] * a["head_dim"]
         cache = 2 * F32 * T * (context + (T - 1) / 2) * a["n_kv_heads"] * a["head_dim"]

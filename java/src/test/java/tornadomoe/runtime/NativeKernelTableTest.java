@@ -30,10 +30,11 @@ public class NativeKernelTableTest {
         Map<String, String> m = new LinkedHashMap<>();
         m.put("embedding", "qpppiii");          // qtype, table, ids, out, n_tokens, vocab, dim
         m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
-        m.put("matmul", "qppnpiiib");           // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate
+        m.put("rmsnorm_factors", "pppnpiif");   // x, w, xw, xss?, inv, n_tokens, dim, eps
+        m.put("matmul", "qppnpiiibn");          // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?
         m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
-        m.put("qkv_rope", "qppfpppnnnppppiiiiiifb"); // qtype x norm_w eps, w_q w_k w_v, b_q? b_k? b_v?, q k_cache
-                                                     // v_cache pos, T hidden heads kv hd ctx, base, neox
+        m.put("qkv_rope", "qpnnpfpppnnnppppiiiiiifb"); // qtype x xw? xss? norm_w eps, w_q w_k w_v, b_q? b_k? b_v?,
+                                                      // q k_cache v_cache pos, T hidden heads kv hd ctx, base, neox
         m.put("attention", "pppppiiiii");       // q k_cache v_cache out pos, T heads kv hd ctx
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
@@ -48,8 +49,9 @@ public class NativeKernelTableTest {
                                                                // gate up down act, T E hidden top_k, normalize,
                                                                // ffn, scratch
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
-        m.put("experts_down_accumulate", "qppnnipppnnpiiiii"); // qtype, shared down act gate_inp? gate? ffn,
-                                                              // down act ids weights? h? x, 5 ints
+        m.put("experts_down_accumulate", "qppnnipppnnpnnniiiii"); // qtype, shared down act gate_inp? gate? ffn,
+                                                              // down act ids weights? h? x next_norm_w? xw? xss?,
+                                                              // 5 ints
         m.put("argmax", "ppii");                // logits out n_tokens vocab
         m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
         m.put("advance_position", "pinni");     // pos delta token log log_len
