@@ -602,12 +602,6 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
-// Measurement knob (results/NOTES.md v11): 0, the epilogue by lane 0 of each shared warp, as before the partial
-// sums, the four rows meeting at a named barrier for the group's sum; 1, by warp 0's lanes (one row each, the sum by
-// shuffles), which ran 1.5 us a layer slower in the decode chain (c29e0bc, not understood). The same bits.
-#ifndef TM_DOWN_EPILOGUE_ONE_WARP
-#define TM_DOWN_EPILOGUE_ONE_WARP 0
-#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -694,43 +688,26 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     }
   }
   __syncthreads();
-#if !TM_DOWN_EPILOGUE_ONE_WARP
-  {  // lane 0 of shared warp w adds row r0 + w's terms; with xss, the four meet at a named barrier for the sum
-    __shared__ float s_rows[kSplitRows];
-    const int64_t r = r0 + warp;
-    if (!shared_warp) return;
-    if (lane == 0 && r < sh.hidden) {
-      float* xo = x + t * sh.hidden + r;
-      float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
-      for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
-      *xo = acc;
-      if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
-      s_rows[warp] = acc;
-    }
-    if (xss == nullptr) return;
+  // Lane 0 of shared warp w adds row r0 + w's terms to x; the block's rows are one group of the next
+  // normalisation's grouped sum (kNormGroup == kSplitRows): with xss the four meet at a named barrier and warp 0
+  // writes the group's sum beside xw. (Lane j of warp 0 adding row j instead ran 1.3 us a layer slower on the
+  // H200: results/NOTES.md v12.)
+  __shared__ float s_rows[kSplitRows];
+  if (!shared_warp) return;
+  const int64_t r = r0 + warp;
+  if (lane == 0 && r < sh.hidden) {
+    float* xo = x + t * sh.hidden + r;
+    float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
+    for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
+    *xo = acc;
+    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
+    s_rows[warp] = acc;
+  }
+  if (xss != nullptr) {
     named_barrier<kSplitRows * 32>(1);
     if (warp == 0 && lane == 0)
       xss[t * norm_groups(sh.hidden) + blockIdx.x] =
           group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
-    return;
-  }
-#endif
-  // Lane j of warp 0 adds row r0 + j's terms to x; the block's rows are one group of the next normalisation's
-  // grouped sum (kNormGroup == kSplitRows), whose partial sum lane 0 writes beside xw
-  if (warp != 0) return;
-  const int64_t r = r0 + lane;
-  float acc = 0.0f;
-  if (lane < kSplitRows && r < sh.hidden) {
-    float* xo = x + t * sh.hidden + r;
-    acc = __fadd_rn(__ldcg(xo), s_shared[lane]);  // in place: read around L1 (common.cuh)
-    for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[lane * rt.top_k + s]);
-    *xo = acc;
-    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[lane]);
-  }
-  if (xss != nullptr) {  // the same condition for every lane: the shuffles see the whole warp
-    const float ss = group_sum_sq([&](int64_t i) { return __shfl_sync(kFullMask, acc, static_cast<int>(i - r0)); },
-                                  blockIdx.x, sh.hidden);
-    if (lane == 0) xss[t * norm_groups(sh.hidden) + blockIdx.x] = ss;
   }
   stamp_end(kDownTimelineRow0);
 }
