@@ -33,7 +33,8 @@ __host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes
 // registers and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
 // Measurement knobs (results/NOTES.md v12): TM_QKV_SUMS_L1=1 asks for the 2 KB of group sums in L1 right after
-// pdl_wait (prefetches hold no register), so that inv's loads after the dot products hit L1; TM_QKV_TAIL_AHEAD=1
+// pdl_wait (prefetches hold no register), so that inv's loads after the dot products hit L1 (each warp's lanes
+// 0-15; 2: warp 0 of each block only, all its lanes); TM_QKV_TAIL_AHEAD=1
 // also loads the biases and the position into registers before the dot products. The same bits either way.
 #ifndef TM_QKV_SUMS_L1
 #define TM_QKV_SUMS_L1 0
@@ -117,7 +118,11 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     sums = sss;
   }
   if (!active) return;
-  if (TM_QKV_SUMS_L1 && a.xw != nullptr && 128 * lane < norm_groups(a.hidden) * 4) prefetch_l1(sums + 32 * lane);
+  if (TM_QKV_SUMS_L1 == 1 && a.xw != nullptr && 128 * lane < norm_groups(a.hidden) * 4) prefetch_l1(sums + 32 * lane);
+  if (TM_QKV_SUMS_L1 == 2 && a.xw != nullptr && warp == 0) {  // warp 0 alone, every lane (no divergence)
+    const int lines = static_cast<int>(ceil_div(norm_groups(a.hidden) * 4, 128));
+    prefetch_l1(sums + 32 * (lane < lines ? lane : lane % lines));
+  }
   float bias_a = 0.0f, bias_b = 0.0f;
   int32_t pos_ahead = 0;
   if (TM_QKV_TAIL_AHEAD && lane == 0) {
