@@ -32,16 +32,6 @@ __host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (the tiled reader's whole-batch path takes more
 // registers and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
-// Measurement knobs (results/NOTES.md v12): TM_QKV_SUMS_L1=1 asks for the 2 KB of group sums in L1 right after
-// pdl_wait (prefetches hold no register), so that inv's loads after the dot products hit L1 (each warp's lanes
-// 0-15; 2: warp 0 of each block only, all its lanes); TM_QKV_TAIL_AHEAD=1
-// also loads the biases and the position into registers before the dot products. The same bits either way.
-#ifndef TM_QKV_SUMS_L1
-#define TM_QKV_SUMS_L1 0
-#endif
-#ifndef TM_QKV_TAIL_AHEAD
-#define TM_QKV_TAIL_AHEAD 0
-#endif
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
 #endif
@@ -118,20 +108,6 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     sums = sss;
   }
   if (!active) return;
-  if (TM_QKV_SUMS_L1 == 1 && a.xw != nullptr && 128 * lane < norm_groups(a.hidden) * 4) prefetch_l1(sums + 32 * lane);
-  if (TM_QKV_SUMS_L1 == 2 && a.xw != nullptr && warp == 0) {  // warp 0 alone, every lane (no divergence)
-    const int lines = static_cast<int>(ceil_div(norm_groups(a.hidden) * 4, 128));
-    prefetch_l1(sums + 32 * (lane < lines ? lane : lane % lines));
-  }
-  float bias_a = 0.0f, bias_b = 0.0f;
-  int32_t pos_ahead = 0;
-  if (TM_QKV_TAIL_AHEAD && lane == 0) {
-    if (a.bias[which] != nullptr) {
-      bias_a = __ldg(a.bias[which] + ra);
-      bias_b = __ldg(a.bias[which] + rb);
-    }
-    pos_ahead = a.pos[0];
-  }
   float out[2][1] = {{0.0f}, {0.0f}};
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   const float* xs[1] = {act};
@@ -145,10 +121,10 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   if (lane != 0) return;
   float va = __fmul_rn(out[0][0], inv), vb = __fmul_rn(out[1][0], inv);
   if (a.bias[which] != nullptr) {
-    va = __fadd_rn(va, TM_QKV_TAIL_AHEAD ? bias_a : __ldg(a.bias[which] + ra));
-    vb = __fadd_rn(vb, TM_QKV_TAIL_AHEAD ? bias_b : __ldg(a.bias[which] + rb));
+    va = __fadd_rn(va, __ldg(a.bias[which] + ra));
+    vb = __fadd_rn(vb, __ldg(a.bias[which] + rb));
   }
-  const int32_t p0 = TM_QKV_TAIL_AHEAD ? pos_ahead : a.pos[0];
+  const int32_t p0 = a.pos[0];
   const int64_t p = static_cast<int64_t>(p0) + t;
   if (which < 2) {
     RopeFactors f{rope_slot[0], rope_slot[1]};
