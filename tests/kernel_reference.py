@@ -94,6 +94,14 @@ def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[to
     return xss, s[:, 0]
 
 
+def grouped_inv(ss: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """inv = 1 / sqrt(ss / dim + eps) in float32, each step correctly rounded as the kernels' C arithmetic is.
+    numpy, not torch: torch's vectorised CPU sqrt is not correctly rounded on every instruction set (one ulp
+    off for ~15% of values on some machines), which a bitwise check must not depend on."""
+    s = ss.detach().cpu().numpy().astype(np.float32)
+    return torch.from_numpy(np.float32(1.0) / np.sqrt(s / np.float32(dim) + np.float32(eps)))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out64, ref64 = out.detach().cpu().to(F64), ref.detach().cpu().to(F64)
