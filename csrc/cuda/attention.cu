@@ -86,7 +86,12 @@ __global__ void __launch_bounds__(256)
 // ---- attention --------------------------------------------------------------------------------------------
 
 constexpr int kAttWarps = 4;
-constexpr int kAttCluster = 8;
+// A timing probe only: TM_ATT_CLUSTER=1 launches plain blocks (clusters of one) to price the cluster launch; beyond
+// kAttWarps tiles its workers then take other tiles, so contexts above 128 positions round differently.
+#ifndef TM_ATT_CLUSTER
+#define TM_ATT_CLUSTER 8
+#endif
+constexpr int kAttCluster = TM_ATT_CLUSTER;
 constexpr int kAttTile = 32;
 constexpr int kAttWorkers = kAttWarps * kAttCluster;
 // The value prefetch (below) only for tiles of at least this many positions: at a short context (a partial tile)
@@ -100,6 +105,12 @@ constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 // 0 takes the cluster merge at every length (the same bits).
 #ifndef TM_ATT_ONE_BLOCK
 #define TM_ATT_ONE_BLOCK 1
+#endif
+// A measurement knob: 1 asks for a whole tile's key rows in L1 (lane j: row j's lines) before its scores, ahead
+// of the value rows, so that the score loop's 4 x 32 loads a lane hit L1 instead of queueing as dependent L2 round
+// trips (the same bits). 0: the product's loop.
+#ifndef TM_ATT_K_L1
+#define TM_ATT_K_L1 0
 #endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
@@ -182,6 +193,10 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
     const int64_t base = tile * kAttTile;
     const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
+    if (TM_ATT_K_L1 && lane < nvalid) {
+      const float* kr = kb + (base + lane) * row_stride;
+      for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(kr + 32 * c);
+    }
     // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
     // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
     if (lane < nvalid && nvalid >= kAttVPrefetchMin) {
