@@ -101,6 +101,9 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
     v_cache = torch.randn(CTX, H, **f32)
     q = torch.randn(1, H, **f32)
     attn = torch.empty(1, H, **f32)
+    # trees before attention's scratch take none
+    att_scratch = ((torch.zeros(K.attention_scratch_words(1, HEADS, HD), dtype=torch.int32, device="cuda"),)
+                   if hasattr(K, "attention_scratch_words") else ())
     rb = H // 32 * 34  # row bytes at hidden 2048
     out: list = []
 
@@ -127,7 +130,8 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
         def attention(n_ctx: int = n_ctx) -> Callable[[int], None]:
             # the position whose context is n_ctx positions long
             at = torch.tensor([n_ctx - 1], dtype=torch.int32, device="cuda")
-            return lambda i: K.attention(q, k_cache, v_cache, attn, at, 1, HEADS, HEADS, HD, CTX)
+            return lambda i: K.attention(q, k_cache, v_cache, attn, at, 1, HEADS, HEADS, HD, CTX,
+                                         *att_scratch)
         out.append((f"attention (ctx {n_ctx})", 0, attention))
     matmul("attn_output (+residual)", H, H, attn, x, True)
 

@@ -35,6 +35,14 @@ def default_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_dense_to_moe(smollm2_source_path(), dst, progress=False)
 
 
+def attention_scratch(n_tokens: int, n_heads: int, head_dim: int, device: str | torch.device) -> torch.Tensor:
+    """A fresh (zero) scratch for K.attention at this shape."""
+    from tornado_moe import kernels as K
+
+    words = K.attention_scratch_words(n_tokens, n_heads, head_dim)
+    return torch.zeros(words, dtype=torch.int32, device=device)
+
+
 def write_late(dst: torch.Tensor, value: int) -> None:
     """Writes `value` into the int32 word `dst` from a kernel that outlasts the start of the next one: an
     argmax over ~16 MB of logits, which triggers its dependents at its start and writes at its end. The kernel

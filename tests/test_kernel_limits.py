@@ -17,7 +17,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params
+from conftest import attention_scratch, device_params
 
 from tornado_moe import kernels as K
 
@@ -75,7 +75,8 @@ def run_kernels(seed: int) -> dict[str, torch.Tensor]:
     v_cache = torch.randn(max_ctx, n_kv, head_dim, generator=gen).to(device)
     attn = torch.full((n_q, n_heads, head_dim), float("nan"), device=device)
     pos = torch.tensor([pos0], dtype=torch.int32, device=device)
-    K.attention(q, k_cache, v_cache, attn, pos, n_q, n_heads, n_kv, head_dim, max_ctx)
+    K.attention(q, k_cache, v_cache, attn, pos, n_q, n_heads, n_kv, head_dim, max_ctx,
+                attention_scratch(n_q, n_heads, head_dim, device))
     out["attention"] = attn
     torch.cuda.synchronize()
     return out

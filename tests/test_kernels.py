@@ -19,7 +19,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params, write_late
+from conftest import attention_scratch, device_params, write_late
 
 from tornado_moe import kernels as K
 from tornado_moe.native import NativeLibraryNotFoundError, library_path
@@ -243,33 +243,62 @@ def test_attention(device: str, shape: tuple[int, ...]) -> None:
     k_cache[: pos0 + n_tokens] = randn(rng, (pos0 + n_tokens, n_kv, head_dim), device)
     v_cache[: pos0 + n_tokens] = randn(rng, (pos0 + n_tokens, n_kv, head_dim), device)
     out = poisoned((n_tokens, n_heads, head_dim), device)
-    K.attention(q, k_cache, v_cache, out, int32([pos0], device), n_tokens, n_heads, n_kv, head_dim, max_ctx)
+    K.attention(q, k_cache, v_cache, out, int32([pos0], device), n_tokens, n_heads, n_kv, head_dim, max_ctx,
+                attention_scratch(n_tokens, n_heads, head_dim, device))
     assert_written(out)
     assert ref.rel_err(out, ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < TOL_ATTENTION
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_attention_of_one_block_is_the_cluster_merge_bitwise(device: str) -> None:
-    """On CUDA a context of at most 128 positions (4 tiles: one block's warps) is written by one block of the
-    cluster, a longer one through the cluster's merge. Keys at positions 128-159 that score about -1e28
-    against a positive q weigh exp(-1e28 - m) = 0 exactly, so attending to 160 positions must give the bits
-    of attending to the first 128: the one-block path is the merge's arithmetic."""
+def test_attention_of_one_block_is_the_merge_bitwise(device: str) -> None:
+    """On CUDA a context of at most 128 positions (4 tiles: one block's warps) is written by that block, a
+    longer one by the last of its busy blocks to arrive, which merges their partials from the scratch. Keys at
+    positions 128-159 that score about -1e28 against a positive q weigh exp(-1e28 - m) = 0 exactly, so
+    attending to 160 positions must give the bits of attending to the first 128: the one-block path is the
+    merge's arithmetic. Three calls share one scratch, so its arrival counters must be back at zero after
+    each."""
     n_heads, n_kv, head_dim, short, long = 2, 2, 128, 128, 160
     rng = np.random.default_rng(12)
     q = randn(rng, (1, n_heads, head_dim), device).abs() * 0.1 + 0.01
     k_cache, v_cache = (randn(rng, (long, n_kv, head_dim), device) for _ in range(2))
     k_cache[short:] = -1e28
+    scratch = attention_scratch(1, n_heads, head_dim, device)
 
     def run(context: int) -> torch.Tensor:
         out = poisoned((1, n_heads, head_dim), device)
-        K.attention(q, k_cache, v_cache, out, int32([context - 1], device), 1, n_heads, n_kv, head_dim, long)
+        K.attention(q, k_cache, v_cache, out, int32([context - 1], device), 1, n_heads, n_kv, head_dim, long,
+                    scratch)
         assert_written(out)
         return out
 
-    got_short, got_long = run(short), run(long)
+    got_short, got_long, again = run(short), run(long), run(long)
     want = ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), short - 1)
     assert ref.rel_err(got_short, want) < TOL_ATTENTION
     assert torch.equal(got_long, got_short)
+    assert torch.equal(again, got_long)
+    assert not scratch[: n_heads].any(), "arrival counters left non-zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_long_context_repeats_bitwise(device: str) -> None:
+    """1,100 positions: 35 tiles, so all 8 blocks are busy and three workers take two tiles each, merged by
+    whichever block arrives last. The result must not depend on that order: repeated calls on one scratch give
+    the same bits (and are close to the float64 reference)."""
+    n_tokens, n_heads, n_kv, head_dim, pos0 = 2, 8, 2, 128, 1098
+    max_ctx = pos0 + n_tokens
+    rng = np.random.default_rng(23)
+    q = randn(rng, (n_tokens, n_heads, head_dim), device)
+    k_cache, v_cache = (randn(rng, (max_ctx, n_kv, head_dim), device) for _ in range(2))
+    scratch = attention_scratch(n_tokens, n_heads, head_dim, device)
+    outs = []
+    for _ in range(4):
+        out = poisoned((n_tokens, n_heads, head_dim), device)
+        K.attention(q, k_cache, v_cache, out, int32([pos0], device), n_tokens, n_heads, n_kv, head_dim,
+                    max_ctx, scratch)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert ref.rel_err(outs[0], ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < 1e-4
+    assert not scratch[: n_tokens * n_heads].any(), "arrival counters left non-zero"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -284,16 +313,18 @@ def test_attention_reads_a_position_its_predecessor_writes(device: str) -> None:
     q = randn(rng, (1, n_heads, head_dim), device)
     k_cache, v_cache = (randn(rng, (max_ctx, n_kv, head_dim), device) for _ in range(2))
 
+    scratch = attention_scratch(1, n_heads, head_dim, device)
+
     def run(pos: torch.Tensor) -> torch.Tensor:
         out = poisoned((1, n_heads, head_dim), device)
-        K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx)
+        K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx, scratch)
         return out
 
     expected, stale = run(int32([new_pos], device)), run(int32([0], device))
     assert not torch.equal(expected, stale)
     pos, out = int32([0], device), poisoned((1, n_heads, head_dim), device)  # nothing launched in between
     write_late(pos, new_pos)
-    K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx)
+    K.attention(q, k_cache, v_cache, out, pos, 1, n_heads, n_kv, head_dim, max_ctx, scratch)
     assert int(pos.item()) == new_pos
     assert torch.equal(out, expected)
 
@@ -638,7 +669,7 @@ def test_bad_arguments_are_named(device: str) -> None:
     with pytest.raises(RuntimeError, match=r"tm_moe_down_accumulate: slot range"):
         K.moe_down_accumulate(0, z, z, zi, None, None, None, z, 1, 2, -1, 1, 2, 8, 4)
     with pytest.raises(RuntimeError, match=r"n_heads = 6 is not a multiple of n_kv_heads = 4"):
-        K.attention(z, z, z, z, zi, 1, 6, 4, 8, 4)
+        K.attention(z, z, z, z, zi, 1, 6, 4, 8, 4, zi)
     with pytest.raises(RuntimeError, match=r"'head_dim' = 7 must be even"):
         K.rope_kv_append(z, z, z, z, z, zi, 1, 2, 2, 7, 4, 1e4, True)
     with pytest.raises(RuntimeError, match=r"tm_rmsnorm: argument 'dim' must be > 0, got 0"):
@@ -677,7 +708,8 @@ def test_cpu_checks_positions_and_ids() -> None:
     ):
         K.rope_kv_append(q, kv, kv, cache, cache.clone(), int32([3], "cpu"), 2, 1, 1, hd, max_ctx, 1e4, True)
     with pytest.raises(RuntimeError, match=r"tm_attention: positions"):
-        K.attention(q, cache, cache, q.clone(), int32([-1], "cpu"), 2, 1, 1, hd, max_ctx)
+        K.attention(q, cache, cache, q.clone(), int32([-1], "cpu"), 2, 1, 1, hd, max_ctx,
+                    attention_scratch(2, 1, hd, "cpu"))
     with pytest.raises(RuntimeError, match=r"tm_embedding: ids\[1\] = 10 is out of range \[0, vocab=10\)"):
         K.embedding(0, torch.zeros(10, 8), int32([0, 10], "cpu"), torch.zeros(2, 8), 2, 10, 8)
     ids = int32([[0, 3]], "cpu")

@@ -43,7 +43,7 @@ int tm_set_error(int status, const char* fmt, ...);
                        float freq_base, int neox, void* stream);                                                    \
   int PREFIX##attention(const float* q, const float* k_cache, const float* v_cache, float* out,               \
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,             \
-                        int64_t head_dim, int64_t max_ctx, void* stream);                                     \
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);                   \
   int PREFIX##router_topk(const float* w_router, const float* h, int32_t* ids, float* weights,                \
                           int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,  \
                           void* stream);                                                                       \

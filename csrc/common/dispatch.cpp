@@ -309,16 +309,17 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
 
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                        int64_t head_dim, int64_t max_ctx, void* stream) {
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_ptr(fn, "scratch", scratch));
   TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
   if (n_heads % n_kv_heads != 0)
     return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
                         n_heads, n_kv_heads);
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
-                    max_ctx, stream);
+                    max_ctx, scratch, stream);
 }
 
 TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,

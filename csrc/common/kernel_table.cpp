@@ -76,11 +76,11 @@ const KernelRow kKernels[] = {
                           i64(a[21]), f32(a[22]), i32(a[23]), s);
      },
      0},
-    {"attention", "pppppiiiii",
+    {"attention", "pppppiiiiip",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_attention(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]),
                            ptr<float>(a[3]), ptr<const int32_t>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i64(a[8]),
-                           i64(a[9]), s);
+                           i64(a[9]), ptr<int32_t>(a[10]), s);
      },
      0},
     {"router_topk", "ppppiiiib",

@@ -128,7 +128,8 @@ extern "C" int tm_cpu_rope_kv_append(float* q, const float* k, const float* v, f
 // e_j = exp(s_j - m); l = e_0 + e_1 + ... (serial); o = sum_j e_j * v_j (serial in j, per element); out = o / l.
 extern "C" int tm_cpu_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                                 const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                int64_t head_dim, int64_t max_ctx, void* stream) {
+                                int64_t head_dim, int64_t max_ctx, int32_t* /*scratch: the CUDA kernel's*/,
+                                void* stream) {
   int status = check_positions("tm_attention", pos, n_tokens, max_ctx);
   if (status != TM_OK) return status;
   const int64_t p0 = pos[0];

@@ -6,30 +6,30 @@
  *   The rotation is rope.cuh's (theta in double, cos/sin rounded to float32, rounded products and adds, as the CPU
  *   kernel). pos is read from device memory; a cache row outside [0, max_ctx) is not written (the device cannot
  *   report it).
- * attention: one thread-block cluster of 8 blocks x 4 warps per (token, head) (grid x = 8 * T * n_heads; pairs
- *   beyond max_grid_x / 8 go to further launches). The context 0 .. pos[0] + t (clamped to max_ctx) is cut into
- *   tiles of 32 positions; the 32 warps of the cluster are the workers g = rank * 4 + warp, and worker g handles
- *   tiles g, g + 32, g + 64, ... in increasing order with an online softmax (running max m, sum l and a float32
- *   accumulator of head_dim values, lane d owning dims d, d + 32, ...). Inside a tile: lane-partial dot products
- *   of q with the 32 keys (fma over the lane's dims in increasing order) are summed by a fixed transpose-butterfly
- *   (lane j ends with position j's score), s_j = dot * (1 / sqrt(head_dim)); e_j = exp(s_j - m_new); the tile sum
- *   of e_j is warp_sum; the tile's value sum is sum_j e_j v_j in increasing j (the value rows asked for in L1
- *   before the scores); then l = l * c + sum_e and acc = acc * c + tile_acc with c = exp(m_old - m_new).
- *   Partials (m, l, acc) are combined in two fixed levels:
- *   each block merges its 4 warps in warp order (M = max m_w, L = sum_w l_w exp(m_w - M), A = sum_w acc_w
- *   exp(m_w - M)), then block 0 of the cluster merges the 8 block partials in block order, read through
- *   distributed shared memory, and writes out = A / L (a context of at most 4 tiles is all block 0's: it writes out
- *   itself with the same arithmetic and no block waits at a cluster barrier). The number of workers and the tile
- *   size are constants, so the result depends only on the inputs, never on the launch or on graph capture.
- *   Shared memory: 5 x (head_dim + 2) floats per block, independent of the context length.
+ * attention: 8 blocks x 4 warps per (token, head) (grid x = 8 * T * n_heads; pairs beyond max_grid_x / 8 go to
+ *   further launches). The context 0 .. pos[0] + t (clamped to max_ctx) is cut into tiles of 32 positions; the 32
+ *   warps of a pair's blocks are the workers g = rank * 4 + warp (rank: the block's index among the pair's 8), and
+ *   worker g handles tiles g, g + 32, g + 64, ... in increasing order with an online softmax (running max m, sum l
+ *   and a float32 accumulator of head_dim values, lane d owning dims d, d + 32, ...). Inside a tile: lane-partial
+ *   dot products of q with the 32 keys (fma over the lane's dims in increasing order) are summed by a fixed
+ *   transpose-butterfly (lane j ends with position j's score), s_j = dot * (1 / sqrt(head_dim)); e_j =
+ *   exp(s_j - m_new); the tile sum of e_j is warp_sum; the tile's value sum is sum_j e_j v_j in increasing j (the
+ *   value rows asked for in L1 before the scores); then l = l * c + sum_e and acc = acc * c + tile_acc with
+ *   c = exp(m_old - m_new). Partials (m, l, acc) are combined in two fixed levels: each block merges its 4 warps in
+ *   warp order (M = max m_w, L = sum_w l_w exp(m_w - M), A = sum_w acc_w exp(m_w - M)), then the 8 block partials
+ *   are merged in block order and out = A / L. A block without tiles holds an empty partial (m = -inf, l = 0,
+ *   acc = +0), whose terms are +0 added to sums that start at +0: the merge skips those blocks with the same bits.
+ *   So a context of at most 4 tiles is all block 0's, which writes out itself (no other block has work); a longer
+ *   one has its non-empty blocks store their partials in the scratch, and the last of them to arrive (an integer
+ *   counter per pair, reset by that block) merges them. The number of workers and the tile size are constants, so
+ *   the result depends only on the inputs, never on the launch, the arrival order or graph capture.
+ *   Plain blocks, not thread-block clusters: a cluster launch of 8 blocks cost the H200 decode ~0.6% (it waits
+ *   for 8 free slots in one GPC; results/NOTES.md v13), and the cluster's distributed shared memory served only
+ *   contexts above 128 positions. Shared memory: 5 x (head_dim + 2) floats per block.
  */
-#include <cooperative_groups.h>
-
 #include <cmath>
 
 #include "rope.cuh"
-
-namespace cg = cooperative_groups;
 
 namespace tm_cuda {
 namespace {
@@ -86,14 +86,9 @@ __global__ void __launch_bounds__(256)
 // ---- attention --------------------------------------------------------------------------------------------
 
 constexpr int kAttWarps = 4;
-// A timing probe only: TM_ATT_CLUSTER=1 launches plain blocks (clusters of one) to price the cluster launch; beyond
-// kAttWarps tiles its workers then take other tiles, so contexts above 128 positions round differently.
-#ifndef TM_ATT_CLUSTER
-#define TM_ATT_CLUSTER 8
-#endif
-constexpr int kAttCluster = TM_ATT_CLUSTER;
+constexpr int kAttBlocks = 8;  // blocks per (token, head)
 constexpr int kAttTile = 32;
-constexpr int kAttWorkers = kAttWarps * kAttCluster;
+constexpr int kAttWorkers = kAttWarps * kAttBlocks;
 // The value prefetch (below) only for tiles of at least this many positions: at a short context (a partial tile)
 // it cost more than it saved on the H200 (attention's chain at 4-12 positions: 115.7 -> 109.8 us a token without
 // it; results/NOTES.md lesson 34). 0: every tile.
@@ -101,17 +96,6 @@ constexpr int kAttWorkers = kAttWarps * kAttCluster;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// Rank 0 alone writes a context of at most kAttWarps * kAttTile positions (see the kernel). A measurement knob:
-// 0 takes the cluster merge at every length (the same bits).
-#ifndef TM_ATT_ONE_BLOCK
-#define TM_ATT_ONE_BLOCK 1
-#endif
-// A measurement knob: 1 asks for a whole tile's key rows in L1 (lane j: row j's lines) before its scores, ahead
-// of the value rows, so that the score loop's 4 x 32 loads a lane hit L1 instead of queueing as dependent L2 round
-// trips (the same bits). 0: the product's loop.
-#ifndef TM_ATT_K_L1
-#define TM_ATT_K_L1 0
-#endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -141,16 +125,27 @@ __device__ __forceinline__ float transpose_reduce32(float (&part)[32], int lane)
   return part[0];
 }
 
+// The scratch of tm_attention (tm_attention_scratch_words): per pair an arrival counter (the first words, rounded
+// up to 32), then per pair kAttBlocks block partials of head_dim + 2 floats (m, l, acc).
+struct AttScratch {
+  uint32_t* arrivals;
+  float* partials;
+};
+__host__ __device__ inline AttScratch att_scratch(int32_t* scratch, int64_t n_pairs) {
+  return AttScratch{reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<float*>(scratch + (n_pairs + 31) / 32 * 32)};
+}
+
 template <int DPL>
-__global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps * 32)
+__global__ void __launch_bounds__(kAttWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, const int32_t* __restrict__ pos,
-                     int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0) {
+                     int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0,
+                     AttScratch scratch) {
   extern __shared__ float att_smem[];  // m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
+  __shared__ bool s_last;
+  const int rank = static_cast<int>(blockIdx.x % kAttBlocks);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t pair = pair0 + blockIdx.x / kAttCluster;  // = t * n_heads + h
+  const int64_t pair = pair0 + blockIdx.x / kAttBlocks;  // = t * n_heads + h
   const int64_t t = pair / n_heads, h = pair % n_heads;
   const int64_t kvh = h / (n_heads / n_kv);
   const int64_t row_stride = n_kv * head_dim;
@@ -176,10 +171,11 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
   }
   pdl_begin();
   const int64_t n_pos = context(static_cast<int64_t>(pos[0]));
-  // Every tile in rank 0 (worker g = rank * 4 + warp takes tile g first): the other blocks' partials would be
-  // empty (m = -inf, l = 0, acc = +0), so no block needs the cluster barriers or the remote reads.
-  const bool one_block = TM_ATT_ONE_BLOCK && n_pos <= static_cast<int64_t>(kAttWarps) * kAttTile;
-  if (one_block && rank != 0) return;
+  // Blocks 0 .. busy - 1 hold tiles (worker g = rank * 4 + warp takes tile g first); the others' partials would be
+  // empty, which the merge may skip (see the top of this file). With one busy block it writes out itself.
+  const int64_t n_tiles = (n_pos + kAttTile - 1) / kAttTile;
+  const int busy = static_cast<int>(n_tiles >= kAttWorkers ? kAttBlocks : (n_tiles + kAttWarps - 1) / kAttWarps);
+  if (rank >= (busy > 0 ? busy : 1)) return;
 
   float qr[DPL], acc[DPL];
 #pragma unroll
@@ -189,14 +185,9 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const int64_t n_tiles = (n_pos + kAttTile - 1) / kAttTile;
   for (int64_t tile = rank * kAttWarps + warp; tile < n_tiles; tile += kAttWorkers) {
     const int64_t base = tile * kAttTile;
     const int nvalid = static_cast<int>(n_pos - base < kAttTile ? n_pos - base : kAttTile);
-    if (TM_ATT_K_L1 && lane < nvalid) {
-      const float* kr = kb + (base + lane) * row_stride;
-      for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(kr + 32 * c);
-    }
     // The tile's values do not depend on its scores: lane j asks for value row j's lines now, so that the loads
     // after the softmax find them in L1 instead of making a second round trip to L2 (the bits are the same).
     if (lane < nvalid && nvalid >= kAttVPrefetchMin) {
@@ -256,8 +247,8 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
     m = m_new;
   }
 
-  // Worker partials to shared memory; each block combines its 4 warps in warp order into a block partial, then
-  // block 0 combines the 8 block partials in block order (reading them through distributed shared memory).
+  // Worker partials to shared memory; each block combines its 4 warps in warp order into a block partial, then the
+  // busy blocks' partials are combined in block order.
   // Layout: warp partials m[4], l[4], acc[4][head_dim]; block partial m, l, acc[head_dim].
   float* blk = att_smem + kAttWarps * (head_dim + 2);
   if (lane == 0) {
@@ -299,62 +290,73 @@ __global__ void __cluster_dims__(kAttCluster, 1, 1) __launch_bounds__(kAttWarps 
       blk[1] = bl;
     }
   }
-  if (one_block) {
-    // The cluster merge below with block 0's term alone: the empty blocks' terms are +0 products added to sums
-    // that are never -0 (each starts at +0), which leaves every bit as it is, so this is that merge's result.
+  __syncthreads();
+  // The busy blocks' partials: block 0's own in shared memory when it is the only one, else every busy block's in
+  // the scratch, merged by the last to arrive (the integer counter's order decides who merges, never the sums).
+  const float* part[kAttBlocks];
+  if (busy <= 1) {
+    part[0] = blk;
+  } else {
+    float* mine = scratch.partials + (pair * kAttBlocks + rank) * (head_dim + 2);
+    for (int64_t i = threadIdx.x; i < head_dim + 2; i += blockDim.x) mine[i] = blk[i];
     __syncthreads();
-    const float m0 = blk[0];
-    const float w0 = m0 == -INFINITY ? 0.0f : expf(__fsub_rn(m0, m0));
-    const float big_l = __fadd_rn(0.0f, __fmul_rn(blk[1], w0));
-#pragma unroll
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = threadIdx.x + kAttWarps * 32 * k;
-      if (d < head_dim) out[pair * head_dim + d] = __fdiv_rn(__fadd_rn(0.0f, __fmul_rn(blk[2 + d], w0)), big_l);
+    if (threadIdx.x == 0) {
+      __threadfence();  // this block's partial before its arrival
+      const uint32_t before = atomicAdd(scratch.arrivals + pair, 1u);
+      s_last = before == static_cast<uint32_t>(busy - 1);
+      if (s_last) {
+        scratch.arrivals[pair] = 0;  // for the next call (every busy block has arrived)
+        __threadfence();             // the other partials after their arrivals
+      }
     }
-    return;
+    __syncthreads();
+    if (!s_last) return;
+#pragma unroll
+    for (int c = 0; c < kAttBlocks; ++c) part[c] = scratch.partials + (pair * kAttBlocks + c) * (head_dim + 2);
   }
-  cluster.sync();
-  if (rank == 0) {
-    const float* rb[kAttCluster];
+  // Block order; a block that is not busy would add +0 terms to sums that are never -0 (each starts at +0), so
+  // stopping at `busy` leaves every bit as the merge of all kAttBlocks.
+  const int n_part = busy > 0 ? busy : 1;
+  // shared memory, or the scratch read around L1 (other blocks wrote it)
+  auto ld = [&](const float* p) { return n_part == 1 ? *p : __ldcg(p); };
+  float mc[kAttBlocks], lc[kAttBlocks];
 #pragma unroll
-    for (int c = 0; c < kAttCluster; ++c) rb[c] = cluster.map_shared_rank(blk, c);
-    float mc[kAttCluster], lc[kAttCluster];
+  for (int c = 0; c < kAttBlocks; ++c) {
+    mc[c] = c < n_part ? ld(part[c]) : -INFINITY;
+    lc[c] = c < n_part ? ld(part[c] + 1) : 0.0f;
+  }
+  float big_m = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < kAttCluster; ++c) {
-      mc[c] = rb[c][0];
-      lc[c] = rb[c][1];
-    }
-    float big_m = -INFINITY;
+  for (int c = 0; c < kAttBlocks; ++c) big_m = fmaxf(big_m, mc[c]);
+  float wc[kAttBlocks];
+  float big_l = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kAttCluster; ++c) big_m = fmaxf(big_m, mc[c]);
-    float wc[kAttCluster];
-    float big_l = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kAttCluster; ++c) {
+  for (int c = 0; c < kAttBlocks; ++c) {
+    if (c < n_part) {
       wc[c] = mc[c] == -INFINITY ? 0.0f : expf(__fsub_rn(mc[c], big_m));
       big_l = __fadd_rn(big_l, __fmul_rn(lc[c], wc[c]));
     }
+  }
 #pragma unroll
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = threadIdx.x + kAttWarps * 32 * k;
-      if (d < head_dim) {
-        float v[kAttCluster];
+  for (int k = 0; k < kDimsPerThread; ++k) {
+    const int d = threadIdx.x + kAttWarps * 32 * k;
+    if (d < head_dim) {
+      float v[kAttBlocks];
 #pragma unroll
-        for (int c = 0; c < kAttCluster; ++c) v[c] = rb[c][2 + d];  // the 8 remote loads in flight together
-        float a = 0.0f;
+      for (int c = 0; c < kAttBlocks; ++c) v[c] = c < n_part ? ld(part[c] + 2 + d) : 0.0f;  // in flight together
+      float a = 0.0f;
 #pragma unroll
-        for (int c = 0; c < kAttCluster; ++c) a = __fadd_rn(a, __fmul_rn(v[c], wc[c]));
-        out[pair * head_dim + d] = __fdiv_rn(a, big_l);
-      }
+      for (int c = 0; c < kAttBlocks; ++c)
+        if (c < n_part) a = __fadd_rn(a, __fmul_rn(v[c], wc[c]));
+      out[pair * head_dim + d] = __fdiv_rn(a, big_l);
     }
   }
-  cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
 }
 
 template <int DPL>
 int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const float* k_cache, const float* v_cache,
                      float* out, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv,
-                     int64_t head_dim, int64_t max_ctx) {
+                     int64_t head_dim, int64_t max_ctx, int32_t* scratch) {
   const int64_t smem = static_cast<int64_t>(sizeof(float)) * (kAttWarps + 1) * (head_dim + 2);
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
@@ -364,12 +366,13 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
   TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&attention_kernel<DPL>), smem, "tm_attention"));
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));  // as the CPU kernel
   const int64_t n_pairs = n_tokens * n_heads;
-  const int64_t max_pairs = lim.max_grid_x / kAttCluster;
+  const int64_t max_pairs = lim.max_grid_x / kAttBlocks;
+  const AttScratch sc = att_scratch(scratch, n_pairs);
   for (int64_t p0 = 0; p0 < n_pairs; p0 += max_pairs) {
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
-    TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttCluster)),
-                         dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads,
-                         n_kv, head_dim, max_ctx, scale, p0));
+    TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttBlocks)),
+                  dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads, n_kv,
+                  head_dim, max_ctx, scale, p0, sc));
   }
   return TM_OK;
 }
@@ -400,7 +403,7 @@ extern "C" int tm_cuda_rope_kv_append(float* q, const float* k, const float* v, 
 
 extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                                  const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                 int64_t head_dim, int64_t max_ctx, void* stream) {
+                                 int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_f32_alignment(fn, "q", q));
   TM_TRY(check_f32_alignment(fn, "k_cache", k_cache));
@@ -409,11 +412,11 @@ extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const flo
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
-  if (head_dim <= 32) return launch_attention<1>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
-  if (head_dim <= 64) return launch_attention<2>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
-  if (head_dim <= 128) return launch_attention<4>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
-  if (head_dim <= 256) return launch_attention<8>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
-  if (head_dim <= 512) return launch_attention<16>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx);
+  if (head_dim <= 32) return launch_attention<1>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
+  if (head_dim <= 64) return launch_attention<2>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
+  if (head_dim <= 128) return launch_attention<4>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
+  if (head_dim <= 256) return launch_attention<8>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
+  if (head_dim <= 512) return launch_attention<16>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
   return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: head_dim = %lld is above the CUDA kernel's maximum of 512", fn,
                       static_cast<long long>(head_dim));
 }

@@ -209,7 +209,7 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
                int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-               int64_t stream) {
+               const Tensor& scratch, int64_t stream) {
   Args a("tornado_moe.attention");
   const float* q_p = a.data<const float>(q, "q", kF32, n_tokens * n_heads * head_dim);
   const float* kc_p = a.data<const float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
@@ -217,7 +217,8 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   float* out_p = a.data<float>(out, "out", kF32, n_tokens * n_heads * head_dim);
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx,
+  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_attention_scratch_words(n_tokens, n_heads, head_dim));
+  a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, sc_p,
                        as_stream(stream)));
 }
 
@@ -372,6 +373,10 @@ int64_t router_experts_ffn_launches(bool cuda, int64_t qtype, int64_t n_tokens, 
   return n;
 }
 
+int64_t attention_scratch_words(int64_t n_tokens, int64_t n_heads, int64_t head_dim) {
+  return tm_attention_scratch_words(n_tokens, n_heads, head_dim);
+}
+
 int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
   return tm_router_gate_up_scratch_words(n_tokens, n_experts);
 }
@@ -498,7 +503,7 @@ TORCH_LIBRARY(tornado_moe, m) {
         "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
-        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, int stream) -> ()");
+        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
         "int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
@@ -538,6 +543,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("set_ffn_one_launch(int on) -> ()", &set_ffn_one_launch);
   m.def("version() -> str", &version);
   m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
+  m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
   m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts) -> int", &router_experts_ffn_scratch_words);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
         "int ffn_sh, int ffn) -> int",

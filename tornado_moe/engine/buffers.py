@@ -74,6 +74,8 @@ class Activations:
         self.k = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
         self.v = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
         self.attn = torch.zeros(T, cfg.n_heads * cfg.head_dim, **f32)
+        # attention's arrival counters (zero at first; each call leaves them so) and partial results
+        self.attn_scratch = torch.zeros(tm_ops.attention_scratch_words(T, cfg.n_heads, cfg.head_dim), **i32)
         k = max(cfg.top_k, 1)
         self.expert_ids = torch.zeros(T, k, **i32)
         self.expert_weights = torch.zeros(T, k, **f32)

@@ -149,7 +149,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
-           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context)
+           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch)
     wo = _w(L, "attn_output")
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
            None)

@@ -24,6 +24,7 @@ __all__ = [
     "advance_position",
     "argmax",
     "attention",
+    "attention_scratch_words",
     "cuda_compiled",
     "cuda_device_count",
     "device_props",
@@ -67,7 +68,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                  "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim",
                  "max_ctx", "freq_base", "neox"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
-                  "max_ctx"),
+                  "max_ctx", "scratch"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
@@ -240,10 +241,17 @@ def attention(
     n_kv_heads: int,
     head_dim: int,
     max_ctx: int,
+    scratch: torch.Tensor,
 ) -> None:
-    _ops().attention(
-        q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, stream_of(out)
-    )
+    """``scratch``: int32, ``attention_scratch_words(n_tokens, n_heads, head_dim)`` elements, zero before the
+    first call (each call leaves it so); CUDA merges contexts above 128 positions through it."""
+    _ops().attention(q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch,
+                     stream_of(out))
+
+
+def attention_scratch_words(n_tokens: int, n_heads: int, head_dim: int) -> int:
+    """int32 elements of the scratch attention needs for this many tokens and heads."""
+    return int(_ops().attention_scratch_words(n_tokens, n_heads, head_dim))
 
 
 def router_topk(
