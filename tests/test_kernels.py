@@ -669,7 +669,7 @@ def test_bad_arguments_are_named(device: str) -> None:
     with pytest.raises(RuntimeError, match=r"tm_moe_down_accumulate: slot range"):
         K.moe_down_accumulate(0, z, z, zi, None, None, None, z, 1, 2, -1, 1, 2, 8, 4)
     with pytest.raises(RuntimeError, match=r"n_heads = 6 is not a multiple of n_kv_heads = 4"):
-        K.attention(z, z, z, z, zi, 1, 6, 4, 8, 4, zi)
+        K.attention(z, z, z, z, zi, 1, 6, 4, 8, 4, attention_scratch(1, 6, 8, device))
     with pytest.raises(RuntimeError, match=r"'head_dim' = 7 must be even"):
         K.rope_kv_append(z, z, z, z, z, zi, 1, 2, 2, 7, 4, 1e4, True)
     with pytest.raises(RuntimeError, match=r"tm_rmsnorm: argument 'dim' must be > 0, got 0"):
