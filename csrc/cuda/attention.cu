@@ -135,57 +135,17 @@ __host__ __device__ inline AttScratch att_scratch(int32_t* scratch, int64_t n_pa
   return AttScratch{reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<float*>(scratch + (n_pairs + 31) / 32 * 32)};
 }
 
-// out[d] = A / L of the partials (m, l, acc[head_dim]) of blocks 0 .. n_part - 1 at part + c * (head_dim + 2), in
-// block order: shared memory when n_part is 1, else the scratch (read around L1: other blocks wrote it). A block
-// that is not busy would add +0 terms to sums that are never -0 (each starts at +0), so stopping at n_part leaves
-// every bit as the merge of all kAttBlocks. Not inlined: the kernel's main loop keeps its registers (128).
-__device__ __noinline__ void merge_partials(const float* part, int n_part, int64_t head_dim, float* out) {
-  auto ld = [&](const float* p) { return n_part == 1 ? *p : __ldcg(p); };
-  float mc[kAttBlocks], lc[kAttBlocks];
-#pragma unroll
-  for (int c = 0; c < kAttBlocks; ++c) {
-    mc[c] = c < n_part ? ld(part + c * (head_dim + 2)) : -INFINITY;
-    lc[c] = c < n_part ? ld(part + c * (head_dim + 2) + 1) : 0.0f;
-  }
-  float big_m = -INFINITY;
-#pragma unroll
-  for (int c = 0; c < kAttBlocks; ++c) big_m = fmaxf(big_m, mc[c]);
-  float wc[kAttBlocks];
-  float big_l = 0.0f;
-#pragma unroll
-  for (int c = 0; c < kAttBlocks; ++c) {
-    if (c < n_part) {
-      wc[c] = mc[c] == -INFINITY ? 0.0f : expf(__fsub_rn(mc[c], big_m));
-      big_l = __fadd_rn(big_l, __fmul_rn(lc[c], wc[c]));
-    }
-  }
-  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float v[kAttBlocks];
-#pragma unroll
-    for (int c = 0; c < kAttBlocks; ++c) v[c] = c < n_part ? ld(part + c * (head_dim + 2) + 2 + d) : 0.0f;
-    float a = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kAttBlocks; ++c)
-      if (c < n_part) a = __fadd_rn(a, __fmul_rn(v[c], wc[c]));
-    out[d] = __fdiv_rn(a, big_l);
-  }
-}
-
-// 4 blocks an SM (<= 128 registers), as the cluster kernel had (with the merge inlined: 147 registers, 3 an SM).
 template <int DPL>
-__global__ void __launch_bounds__(kAttWarps * 32, 4)
+__global__ void __launch_bounds__(kAttWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, const int32_t* __restrict__ pos,
                      int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0,
                      AttScratch scratch) {
   extern __shared__ float att_smem[];  // m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]
   __shared__ bool s_last;
-  // Rank-major: the pairs' blocks 0 come first, so that the blocks with work are spread over the SMs that free
-  // up first rather than packed with the idle ranks' blocks.
-  const uint32_t n_launch_pairs = gridDim.x / kAttBlocks;
-  const int rank = static_cast<int>(blockIdx.x / n_launch_pairs);
+  const int rank = static_cast<int>(blockIdx.x % kAttBlocks);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t pair = pair0 + blockIdx.x % n_launch_pairs;  // = t * n_heads + h
+  const int64_t pair = pair0 + blockIdx.x / kAttBlocks;  // = t * n_heads + h
   const int64_t t = pair / n_heads, h = pair % n_heads;
   const int64_t kvh = h / (n_heads / n_kv);
   const int64_t row_stride = n_kv * head_dim;
@@ -333,8 +293,10 @@ __global__ void __launch_bounds__(kAttWarps * 32, 4)
   __syncthreads();
   // The busy blocks' partials: block 0's own in shared memory when it is the only one, else every busy block's in
   // the scratch, merged by the last to arrive (the integer counter's order decides who merges, never the sums).
-  const float* part = blk;  // block c's partial: part + c * (head_dim + 2)
-  if (busy > 1) {
+  const float* part[kAttBlocks];
+  if (busy <= 1) {
+    part[0] = blk;
+  } else {
     float* mine = scratch.partials + (pair * kAttBlocks + rank) * (head_dim + 2);
     for (int64_t i = threadIdx.x; i < head_dim + 2; i += blockDim.x) mine[i] = blk[i];
     __syncthreads();
@@ -349,9 +311,46 @@ __global__ void __launch_bounds__(kAttWarps * 32, 4)
     }
     __syncthreads();
     if (!s_last) return;
-    part = scratch.partials + pair * kAttBlocks * (head_dim + 2);
+#pragma unroll
+    for (int c = 0; c < kAttBlocks; ++c) part[c] = scratch.partials + (pair * kAttBlocks + c) * (head_dim + 2);
   }
-  merge_partials(part, busy > 0 ? busy : 1, head_dim, out + pair * head_dim);
+  // Block order; a block that is not busy would add +0 terms to sums that are never -0 (each starts at +0), so
+  // stopping at `busy` leaves every bit as the merge of all kAttBlocks.
+  const int n_part = busy > 0 ? busy : 1;
+  // shared memory, or the scratch read around L1 (other blocks wrote it)
+  auto ld = [&](const float* p) { return n_part == 1 ? *p : __ldcg(p); };
+  float mc[kAttBlocks], lc[kAttBlocks];
+#pragma unroll
+  for (int c = 0; c < kAttBlocks; ++c) {
+    mc[c] = c < n_part ? ld(part[c]) : -INFINITY;
+    lc[c] = c < n_part ? ld(part[c] + 1) : 0.0f;
+  }
+  float big_m = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < kAttBlocks; ++c) big_m = fmaxf(big_m, mc[c]);
+  float wc[kAttBlocks];
+  float big_l = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kAttBlocks; ++c) {
+    if (c < n_part) {
+      wc[c] = mc[c] == -INFINITY ? 0.0f : expf(__fsub_rn(mc[c], big_m));
+      big_l = __fadd_rn(big_l, __fmul_rn(lc[c], wc[c]));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kDimsPerThread; ++k) {
+    const int d = threadIdx.x + kAttWarps * 32 * k;
+    if (d < head_dim) {
+      float v[kAttBlocks];
+#pragma unroll
+      for (int c = 0; c < kAttBlocks; ++c) v[c] = c < n_part ? ld(part[c] + 2 + d) : 0.0f;  // in flight together
+      float a = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kAttBlocks; ++c)
+        if (c < n_part) a = __fadd_rn(a, __fmul_rn(v[c], wc[c]));
+      out[pair * head_dim + d] = __fdiv_rn(a, big_l);
+    }
+  }
 }
 
 template <int DPL>
