@@ -126,7 +126,10 @@ __device__ __forceinline__ float transpose_reduce32(float (&part)[32], int lane)
 }
 
 // The scratch of tm_attention (tm_attention_scratch_words): per pair an arrival counter (the first words, rounded
-// up to 32), then per pair kAttBlocks block partials of head_dim + 2 floats (m, l, acc).
+// up to 32), then per pair kAttBlocks block partials of head_dim + 2 floats (m, l, acc). The partials are stored by
+// all of a block's threads before a __syncthreads and thread 0's fence and arrival (the fence is cumulative: it
+// orders the block's stores before the count the last block reads).
+static_assert(kAttBlocks == 8, "tm_attention_scratch_words counts 8 partials a pair");
 struct AttScratch {
   uint32_t* arrivals;
   float* partials;
