@@ -117,6 +117,12 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
+// TM_RGU_DEFERRED_PROBE=1 (timing only): the shared blocks stream on x at once and scale the gate and up dots by
+// 1/rms(x) after them, each warp summing x's squares itself through L1: the price of the FFN side's deferred norm
+// (results/NOTES.md lesson 103) without the group sums its producer would write, beside TM_RGU_NORM_PROBE's bound.
+#ifndef TM_RGU_DEFERRED_PROBE
+#define TM_RGU_DEFERRED_PROBE 0
+#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -163,6 +169,22 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+#if TM_RGU_DEFERRED_PROBE
+  if (a.ids == nullptr) {  // the shared expert: h is x here (the probe's caller), 32-value blocks (tiled Q8_0)
+    const float* x = xs[0];
+    float ss = 0.0f;
+    for (int64_t i = 4 * lane; i + 3 < nblocks * 32; i += 128) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
+      ss = __fmaf_rn(v.x, v.x, ss);
+      ss = __fmaf_rn(v.y, v.y, ss);
+      ss = __fmaf_rn(v.z, v.z, ss);
+      ss = __fmaf_rn(v.w, v.w, ss);
+    }
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), static_cast<float>(nblocks * 32)), 1e-6f));
+    gu[0][0] = __fmul_rn(gu[0][0], inv);
+    gu[1][0] = __fmul_rn(gu[1][0], inv);
+  }
+#endif
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -419,7 +441,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_NORM_PROBE  // timing only: x in place of h, no norm on the shared blocks' path (wrong results)
+#if TM_RGU_NORM_PROBE || TM_RGU_DEFERRED_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
