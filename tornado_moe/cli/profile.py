@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="timed generations per variant after one warm-up; each task's time is its fastest "
                         "run's (default: %(default)s)")
     p.add_argument("--cuda-steps", type=non_negative_int, default=3, metavar="N",
-                   help="decode steps traced with torch.profiler on a GPU, each in its own session "
+                   help="decode steps traced with torch.profiler on a GPU, each in its own session, right "
+                        "after the prompt: the per-kernel times are at the prompt's context length "
                         "(default: %(default)s; 0 = skip)")
     p.add_argument("--max-context", type=positive_int, metavar="N",
                    help="KV-cache length (default: min(model context, 4096))")
