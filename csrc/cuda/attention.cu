@@ -28,6 +28,7 @@
  *   contexts above 128 positions. Shared memory: 5 x (head_dim + 2) floats per block.
  */
 #include <cmath>
+#include <type_traits>
 
 #include "rope.cuh"
 
@@ -415,11 +416,16 @@ extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const flo
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
-  if (head_dim <= 32) return launch_attention<1>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
-  if (head_dim <= 64) return launch_attention<2>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
-  if (head_dim <= 128) return launch_attention<4>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
-  if (head_dim <= 256) return launch_attention<8>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
-  if (head_dim <= 512) return launch_attention<16>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch);
+  // DPL: head dims per lane, the smallest power of two that covers head_dim
+  auto go = [&](auto dpl) {
+    return launch_attention<decltype(dpl)::value>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads,
+                                                  n_kv_heads, head_dim, max_ctx, scratch);
+  };
+  if (head_dim <= 32) return go(std::integral_constant<int, 1>{});
+  if (head_dim <= 64) return go(std::integral_constant<int, 2>{});
+  if (head_dim <= 128) return go(std::integral_constant<int, 4>{});
+  if (head_dim <= 256) return go(std::integral_constant<int, 8>{});
+  if (head_dim <= 512) return go(std::integral_constant<int, 16>{});
   return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: head_dim = %lld is above the CUDA kernel's maximum of 512", fn,
                       static_cast<long long>(head_dim));
 }
