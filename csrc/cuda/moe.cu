@@ -130,6 +130,17 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
+// A measurement knob (results/NOTES.md lesson 105; 0: off, the product's code): the routed blocks holding the last
+// TM_RGU_TAIL_BLOCKS tickets, which stream in the launch's partial last wave while a third of the slots idle (lesson
+// 96), ask for their warps' whole gate and up rows at once once the ids are in: TM_RGU_TAIL_MODE 1 into L1 (one
+// prefetch a lane and line), 2 into L2 (one bulk prefetch a row by lane 0). Whether a tail block's ~4.6 us is its
+// warps' dependent round trips (the rows then arrive in one) or the memory system's (no change, or slower).
+#ifndef TM_RGU_TAIL_BLOCKS
+#define TM_RGU_TAIL_BLOCKS 0
+#endif
+#ifndef TM_RGU_TAIL_MODE
+#define TM_RGU_TAIL_MODE 1
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -481,6 +492,21 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
+#endif
+#if TM_RGU_TAIL_BLOCKS > 0
+  if (b + TM_RGU_TAIL_BLOCKS >= gridDim.x - sh_blocks && e >= 0 && e < rt.n_experts) {
+    const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+    if (r < rt.ffn) {
+      const int64_t off = (e * rt.ffn + r) * rt.row_bytes;
+      if constexpr (TM_RGU_TAIL_MODE == 1) {
+        prefetch_row_l1(rt.w_gate + off, rt.row_bytes, ceil_div(rt.row_bytes, 128), lane);
+        prefetch_row_l1(rt.w_up + off, rt.row_bytes, ceil_div(rt.row_bytes, 128), lane);
+      } else {
+        prefetch_row_l2(rt.w_gate + off, rt.row_bytes, lane);
+        prefetch_row_l2(rt.w_up + off, rt.row_bytes, lane);
+      }
+    }
+  }
 #endif
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
