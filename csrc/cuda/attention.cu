@@ -97,6 +97,15 @@ constexpr int kAttWorkers = kAttWarps * kAttBlocks;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
+// A measurement knob (results/NOTES.md lesson 106; 0: off, the product's kernels): with TM_ATT_VEC=1 a head_dim of
+// exactly 32 * DPL (DPL a multiple of 4, e.g. 128) gives lane l the dims 128 c + 4 l + i (i < 4) instead of
+// l + 32 i, so that each key and value row is read with DPL / 4 float4 loads a lane instead of DPL scalar ones,
+// each with its own address: a quarter of a tile's load instructions on the one warp that walks it. The value sums
+// keep their bits (each dim's sum is the same wherever it lives); the scores' lane partials add other dims, so
+// the scores' bits differ from the scalar layout's (every route still runs this one kernel).
+#ifndef TM_ATT_VEC
+#define TM_ATT_VEC 0
+#endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
 // current list, the others [0, HALF); each receives its partner's partial sums of the positions it keeps.
@@ -139,16 +148,19 @@ __host__ __device__ inline AttScratch att_scratch(int32_t* scratch, int64_t n_pa
   return AttScratch{reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<float*>(scratch + (n_pairs + 31) / 32 * 32)};
 }
 
-template <int DPL>
+template <int DPL, bool VEC>
 __global__ void __launch_bounds__(kAttWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, const int32_t* __restrict__ pos,
                      int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0,
                      AttScratch scratch) {
+  static_assert(!VEC || DPL % 4 == 0, "whole float4s a lane");
   extern __shared__ float att_smem[];  // m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]
   __shared__ bool s_last;
   const int rank = static_cast<int>(blockIdx.x % kAttBlocks);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // the head dim of this lane's i-th value (TM_ATT_VEC above)
+  auto dim_of = [&](int i) { return VEC ? 128 * (i >> 2) + 4 * lane + (i & 3) : lane + 32 * i; };
   const int64_t pair = pair0 + blockIdx.x / kAttBlocks;  // = t * n_heads + h
   const int64_t t = pair / n_heads, h = pair % n_heads;
   const int64_t kvh = h / (n_heads / n_kv);
@@ -184,7 +196,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
   float qr[DPL], acc[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
-    const int d = lane + 32 * i;
+    const int d = dim_of(i);
     qr[i] = d < head_dim ? q[pair * head_dim + d] : 0.0f;
     acc[i] = 0.0f;
   }
@@ -198,15 +210,31 @@ __global__ void __launch_bounds__(kAttWarps * 32)
       const float* vr = vb + (base + lane) * row_stride;
       for (int64_t c = 0; c < (head_dim * 4 + 127) / 128; ++c) prefetch_l1(vr + 32 * c);
     }
+    // (VEC) lane's first float4 of the tile's row j (past the end: row 0, as below), by 32-bit offsets
+    const float4* kt = reinterpret_cast<const float4*>(kb + base * row_stride) + lane;
+    const float4* vt = reinterpret_cast<const float4*>(vb + base * row_stride) + lane;
+    const int32_t rs4 = static_cast<int32_t>(row_stride / 4);
+    auto row4 = [&](const float4* t, int j) { return t + (j < nvalid ? j : 0) * rs4; };
     float part[kAttTile];
 #pragma unroll
     for (int j = 0; j < kAttTile; ++j) {
       const float* kr = kb + (base + (j < nvalid ? j : 0)) * row_stride;  // past the end: re-read a valid row
       float sacc = 0.0f;
+      if constexpr (VEC) {
 #pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        if (d < head_dim) sacc = __fmaf_rn(qr[i], kr[d], sacc);
+        for (int c = 0; c < DPL / 4; ++c) {
+          const float4 kv = row4(kt, j)[32 * c];
+          sacc = __fmaf_rn(qr[4 * c], kv.x, sacc);
+          sacc = __fmaf_rn(qr[4 * c + 1], kv.y, sacc);
+          sacc = __fmaf_rn(qr[4 * c + 2], kv.z, sacc);
+          sacc = __fmaf_rn(qr[4 * c + 3], kv.w, sacc);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          const int d = lane + 32 * i;
+          if (d < head_dim) sacc = __fmaf_rn(qr[i], kr[d], sacc);
+        }
       }
       part[j] = sacc;
     }
@@ -230,10 +258,21 @@ __global__ void __launch_bounds__(kAttWarps * 32)
         for (int jj = 0; jj < kVGroup; ++jj) {
           const int j = j0 + jj;
           const float* vr = vb + (base + (j < nvalid ? j : 0)) * row_stride;
+          if constexpr (VEC) {
 #pragma unroll
-          for (int i = 0; i < DPL; ++i) {
-            const int d = lane + 32 * i;
-            vv[jj][i] = d < head_dim ? vr[d] : 0.0f;
+            for (int c = 0; c < DPL / 4; ++c) {
+              const float4 v4 = row4(vt, j)[32 * c];
+              vv[jj][4 * c] = v4.x;
+              vv[jj][4 * c + 1] = v4.y;
+              vv[jj][4 * c + 2] = v4.z;
+              vv[jj][4 * c + 3] = v4.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+              const int d = lane + 32 * i;
+              vv[jj][i] = d < head_dim ? vr[d] : 0.0f;
+            }
           }
         }
 #pragma unroll
@@ -262,7 +301,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
   float* my_acc = att_smem + 2 * kAttWarps + warp * head_dim;
 #pragma unroll
   for (int i = 0; i < DPL; ++i) {
-    const int d = lane + 32 * i;
+    const int d = dim_of(i);
     if (d < head_dim) my_acc[d] = acc[i];
   }
   __syncthreads();
@@ -357,7 +396,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
   }
 }
 
-template <int DPL>
+template <int DPL, bool VEC>
 int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const float* k_cache, const float* v_cache,
                      float* out, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv,
                      int64_t head_dim, int64_t max_ctx, int32_t* scratch) {
@@ -367,14 +406,14 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
                         "tm_attention: head_dim = %lld needs %lld bytes of shared memory per block, above the limit %lld",
                         static_cast<long long>(head_dim), static_cast<long long>(smem),
                         static_cast<long long>(lim.smem_block));
-  TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&attention_kernel<DPL>), smem, "tm_attention"));
+  TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&attention_kernel<DPL, VEC>), smem, "tm_attention"));
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));  // as the CPU kernel
   const int64_t n_pairs = n_tokens * n_heads;
   const int64_t max_pairs = lim.max_grid_x / kAttBlocks;
   const AttScratch sc = att_scratch(scratch, n_pairs);
   for (int64_t p0 = 0; p0 < n_pairs; p0 += max_pairs) {
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
-    TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL>, dim3(static_cast<unsigned>(np * kAttBlocks)),
+    TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL, VEC>, dim3(static_cast<unsigned>(np * kAttBlocks)),
                   dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads, n_kv,
                   head_dim, max_ctx, scale, p0, sc));
   }
@@ -418,8 +457,15 @@ extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const flo
   const cudaStream_t s = as_stream(stream);
   // DPL: head dims per lane, the smallest power of two that covers head_dim
   auto go = [&](auto dpl) {
-    return launch_attention<decltype(dpl)::value>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads,
-                                                  n_kv_heads, head_dim, max_ctx, scratch);
+    constexpr int DPL = decltype(dpl)::value;
+    if constexpr (TM_ATT_VEC && DPL % 4 == 0) {
+      if (head_dim == 32 * DPL && n_kv_heads * head_dim * kAttTile < (int64_t{1} << 31) && aligned(q, 16) &&
+          aligned(k_cache, 16) && aligned(v_cache, 16))
+        return launch_attention<DPL, true>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads,
+                                           head_dim, max_ctx, scratch);
+    }
+    return launch_attention<DPL, false>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads,
+                                        head_dim, max_ctx, scratch);
   };
   if (head_dim <= 32) return go(std::integral_constant<int, 1>{});
   if (head_dim <= 64) return go(std::integral_constant<int, 2>{});
