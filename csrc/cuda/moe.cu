@@ -141,6 +141,16 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_TAIL_MODE
 #define TM_RGU_TAIL_MODE 1
 #endif
+// A measurement knob (results/NOTES.md lesson 108; 0: off, the product's code): shared blocks from blockIdx
+// TM_RGU_LATE_SHARED_H on (on the H200's decode grid, 528: those that start as the first wave retires, ~9.5 us in,
+// when router block 0 released h ~5 us earlier) first peek their token's h_ready flag (the call's tag from the
+// ticket word's epoch; one round trip, no ticket, no wait) and, when h is out, stream on it from global memory as
+// the routed blocks do instead of normalising x themselves (lesson 96: their 2.0 us norm keeps 184 of the second
+// wave's slots from streaming). The same bits: h is block_rmsnorm's either way. A flag not yet out, or a tag the
+// peek cannot trust (the epoch already advanced), falls back to the block's own norm.
+#ifndef TM_RGU_LATE_SHARED_H
+#define TM_RGU_LATE_SHARED_H 0
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -452,6 +462,24 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
+#if TM_RGU_LATE_SHARED_H > 0
+    if (blockIdx.x >= TM_RGU_LATE_SHARED_H) {
+      __shared__ int s_h_out;
+      if (threadIdx.x == 0) {
+        const RouterSync sy = router_sync(sync, n_tokens);
+        const unsigned long long epoch = ld_relaxed_u64(sy.ticket);  // both loads in flight at once
+        const unsigned long long f = ld_acquire_u64(sy.h_ready + p.pair);
+        s_h_out = tag_of(f) == static_cast<uint32_t>(epoch >> 32) + 1;
+      }
+      __syncthreads();
+      if (s_h_out) {
+        stamp(3);
+        gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
+        stamp_end();
+        return;
+      }
+    }
+#endif
 #if TM_RGU_NORM_PROBE || TM_RGU_DEFERRED_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
