@@ -678,6 +678,13 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
+// A measurement knob (results/NOTES.md lesson 110; 0: off, the product's code): with at most 4 slots a routed
+// warp of experts_down_kernel loads the ids and weights of both its slots before its first dot product. In the
+// product's SASS each slot's id is loaded when the loop reaches it and its weight after its dot: the second slot's
+// rows wait for two more L2 round trips on the warp's path. The same bits (the same dots and factors).
+#ifndef TM_DOWN_SLOTS_AHEAD
+#define TM_DOWN_SLOTS_AHEAD 0
+#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -752,6 +759,36 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   } else {
     const int j = warp - kSplitRows, pair = 2 * (j >> 1);  // the pair's first row, relative to r0
     const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
+#if TM_DOWN_SLOTS_AHEAD
+    if (ra < rt.hidden && rt.top_k <= 4) {
+      int32_t e_in[2];
+      float w_in[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int64_t s = (j & 1) + 2 * k, slot = t * rt.top_k + s;
+        e_in[k] = s < rt.top_k && rt.ids != nullptr ? rt.ids[slot] : 0;
+        w_in[k] = s < rt.top_k && rt.weights != nullptr ? rt.weights[slot] : 1.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int64_t s = (j & 1) + 2 * k;
+        if (s >= rt.top_k) break;
+        int64_t e = e_in[k];
+        const bool bad = e < 0 || e >= rt.n_experts;
+        if (bad) e = 0;
+        const uint8_t* base = rt.w_down + e * rt.hidden * rt.row_bytes;
+        const uint8_t* wr[2] = {base + ra * rt.row_bytes, base + rb * rt.row_bytes};
+        const float* xs[1] = {rt.act + (t * rt.top_k + s) * rt.ffn};
+        float d[2][1];
+        warp_dot<FR, 2, 1, true, VR>(wr, xs, rt.nblocks, d);
+        const float w_eff = bad ? kNaN : w_in[k];
+        if (lane == 0) {
+          s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
+          if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
+        }
+      }
+    } else
+#endif
     if (ra < rt.hidden) {
       for (int64_t s = j & 1; s < rt.top_k; s += 2) {
         float d[2][1], w_eff;
