@@ -678,7 +678,7 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
-// A measurement knob (results/NOTES.md lesson 110; 0: off, the product's code): with at most 4 slots a routed
+// A measurement knob (results/NOTES.md lesson 109; 0: off, the product's code): with at most 4 slots a routed
 // warp of experts_down_kernel loads the ids and weights of both its slots before its first dot product. In the
 // product's SASS each slot's id is loaded when the loop reaches it and its weight after its dot: the second slot's
 // rows wait for two more L2 round trips on the warp's path. The same bits (the same dots and factors).
