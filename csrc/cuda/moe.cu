@@ -685,6 +685,14 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_SLOTS_AHEAD
 #define TM_DOWN_SLOTS_AHEAD 0
 #endif
+// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): right after pdl_wait the block's
+// threads ask for every line of the token's activations (the shared expert's act_sh and the slots' act, 45 KB at
+// the decode shape) in L1, so that the dots' batches find them there instead of each batch's activation loads
+// making their own L2 round trip: a shared warp walks 11 batches of its 5,632-value row, each waiting on act_sh
+// lines that the SM's other warps ask for at the same time.
+#ifndef TM_DOWN_ACT_L1
+#define TM_DOWN_ACT_L1 0
+#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -740,6 +748,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   stamp(1, kDownTimelineRow0);
   stamp(2, kDownTimelineRow0);
   stamp_role(3, kDownTimelineRow0);
+#if TM_DOWN_ACT_L1
+  {
+    const char* a_sh = reinterpret_cast<const char*>(sh.act + t * sh.ffn);
+    const char* a_rt = reinterpret_cast<const char*>(rt.act + t * rt.top_k * rt.ffn);
+    const int64_t sh_bytes = sh.ffn * 4, rt_bytes = rt.top_k * rt.ffn * 4;
+    for (int64_t off = 128 * static_cast<int64_t>(threadIdx.x); off < sh_bytes + rt_bytes; off += 128 * blockDim.x)
+      prefetch_l1(off < sh_bytes ? a_sh + off : a_rt + (off - sh_bytes));
+  }
+#endif
   if (shared_warp) {
     const int64_t r = r0 + warp;
     if (r < sh.hidden) {
