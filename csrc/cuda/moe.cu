@@ -685,7 +685,7 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_SLOTS_AHEAD
 #define TM_DOWN_SLOTS_AHEAD 0
 #endif
-// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): right after pdl_wait the block's
+// A measurement knob (results/NOTES.md lesson 110; 0: off, the product's code): right after pdl_wait the block's
 // threads ask for every line of the token's activations (the shared expert's act_sh and the slots' act, 45 KB at
 // the decode shape) in L1, so that the dots' batches find them there instead of each batch's activation loads
 // making their own L2 round trip: a shared warp walks 11 batches of its 5,632-value row, each waiting on act_sh
