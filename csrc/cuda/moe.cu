@@ -151,6 +151,13 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_LATE_SHARED_H
 #define TM_RGU_LATE_SHARED_H 0
 #endif
+// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): a block that streams on the global
+// h (a routed block, or a late shared block above) first asks for h's lines in L1, one prefetch a thread: lesson 57
+// measured routed blocks streaming 4.32 us with h in shared memory against 4.79 through L1, but the copy's round
+// trip cost more than that; a prefetch holds no register and waits for nothing.
+#ifndef TM_RGU_H_L1
+#define TM_RGU_H_L1 0
+#endif
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -474,6 +481,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
       __syncthreads();
       if (s_h_out) {
         stamp(3);
+        if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(h + p.pair * hidden + threadIdx.x * 32);
         gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
         stamp_end();
         return;
@@ -536,6 +544,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     }
   }
 #endif
+  if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(h + static_cast<int64_t>(t) * hidden + threadIdx.x * 32);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
