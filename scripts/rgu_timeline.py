@@ -5,7 +5,8 @@ Alone the fused launch takes ~3.8 us more than the same gate-ups without the rou
 is ~9 us a layer above a pure read of its bytes. This runs decode steps (fused, CUDA graph) of a model on a
 library built with ``-DTM_RGU_TIMELINE=1`` (csrc/cuda/moe.cu: every block of the latest launch stamps the
 global timer at its start, after pdl_wait, when its role is known, when its inputs are ready and when its
-warps end; the experts_down launch after it stamps too, on the same clock), reads the stamps of the step's
+warps end; the experts_down launch after it stamps too, on the same clock: its start, pdl_wait, when its last
+routed warp and its last shared warp finished their dot products, and its end), reads the stamps of the step's
 last layer after each step, and prints, per role (router, shared expert, routed, down), when its blocks start,
 wait and end relative to the gate-up launch's first block. The stamps cost the kernels a little (spills in the
 measurement build), so read the shape of the timeline, not its total.
@@ -39,6 +40,12 @@ ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
 ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
 ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
+# the down's blocks stamp their warps' dot products instead of a role and inputs (results/NOTES.md lesson 112)
+DOWN_EVENTS = ("start", "after_wait", "routed_dots", "shared_dots", "end")
+
+
+def events_of(role: str) -> tuple[str, ...]:
+    return DOWN_EVENTS if role == "down" else EVENTS
 TOPK_STEPS = ("poll start", "logits in", "softmax", "picks", "ids stored")  # role 4, the last row
 
 
@@ -76,11 +83,16 @@ def summarize(rows: np.ndarray) -> dict:
         if not len(sel):
             continue
         out[name] = {"blocks": int(len(sel))}
-        for k, ev in enumerate(EVENTS):
+        for k, ev in enumerate(events_of(name)):
             col = sel[:, k]
             out[name][ev] = [float(col.min()), float(np.median(col)), float(col.max())]
-        out[name]["waiting_us_median"] = float(np.median(sel[:, 3] - sel[:, 2]))
-        out[name]["streaming_us_median"] = float(np.median(sel[:, 4] - sel[:, 3]))
+        if name == "down":  # per block: its routed and shared warps' dots after the wait, then its epilogue
+            out[name]["routed_dots_us_median"] = float(np.median(sel[:, 2] - sel[:, 1]))
+            out[name]["shared_dots_us_median"] = float(np.median(sel[:, 3] - sel[:, 1]))
+            out[name]["epilogue_us_median"] = float(np.median(sel[:, 4] - np.maximum(sel[:, 2], sel[:, 3])))
+        else:
+            out[name]["waiting_us_median"] = float(np.median(sel[:, 3] - sel[:, 2]))
+            out[name]["streaming_us_median"] = float(np.median(sel[:, 4] - sel[:, 3]))
     # The gate-up launch's blocks on the GPU each microsecond: resident (started, not ended) and streaming
     # (inputs in hand, not ended): where slots sit idle (waiting blocks, the tail).
     g = rel[gate_up]
@@ -143,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         if name not in samples[-1]:
             continue
         print(f"  {name:7s} {samples[-1][name]['blocks']:5d} blocks")
-        for ev in EVENTS:
+        for ev in events_of(name):
             v = [statistics.median(s[name][ev][i] for s in samples) for i in range(3)]
             print(f"    {ev:13s} {v[0]:7.2f} {v[1]:7.2f} {v[2]:7.2f}")
-        wait = statistics.median(s[name]["waiting_us_median"] for s in samples)
-        stream = statistics.median(s[name]["streaming_us_median"] for s in samples)
-        print(f"    waiting (inputs_ready - role_known), median {wait:.2f} us; "
-              f"streaming (end - inputs_ready), median {stream:.2f} us")
+
+        def med(key: str, name: str = name) -> float:
+            return statistics.median(s[name][key] for s in samples)
+        if name == "down":
+            print(f"    after the wait, medians over blocks: routed dots {med('routed_dots_us_median'):.2f} "
+                  f"us, shared dots {med('shared_dots_us_median'):.2f} us; epilogue (end - the later of the "
+                  f"two) {med('epilogue_us_median'):.2f} us")
+        else:
+            print(f"    waiting (inputs_ready - role_known), median {med('waiting_us_median'):.2f} us; "
+                  f"streaming (end - inputs_ready), median {med('streaming_us_median'):.2f} us")
     if "topk" in samples[-1]:
         steps = [statistics.median(s["topk"][i] for s in samples) for i in range(5)]
         print("  top-k (router block 0): " + ", ".join(

@@ -25,7 +25,7 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     base = 5 * 10**12  # the global timer in ns
     blocks = [(0, [0, 100, 200, 1500, 6000]), (1, [50, 150, 150, 900, 4000]), (1, [60, 160, 160, 950, 4200]),
               (2, [70, 170, 300, 6100, 9000]), (2, [4000, 4100, 4200, 6200, 9500]),
-              (3, [8000, 9800, 9800, 9900, 12000]),  # a block of the down launch after it
+              (3, [8000, 9800, 11500, 10900, 12000]),  # a block of the down launch: wait, routed, shared dots
               (4, [1600, 2500, 3000, 3400, 3500])]  # the top-k's steps
     rows = np.zeros(len(blocks) + 2, dtype=tl.ROW)  # two rows no block stamped
     for i, (role, t) in enumerate(blocks):
@@ -39,6 +39,11 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     # resident, the first shared one has just ended; of them the router and shared blocks have inputs
     assert s["occupancy"][4] == [4.0, 4, 2] and s["occupancy"][0] == [0.0, 1, 0] and len(s["occupancy"]) == 10
     assert s["down"]["blocks"] == 1 and s["down"]["after_wait"] == pytest.approx([9.8] * 3)
+    assert s["down"]["routed_dots"] == pytest.approx([11.5] * 3)  # the down's own events, not a role's
+    assert s["down"]["routed_dots_us_median"] == pytest.approx(1.7)
+    assert s["down"]["shared_dots_us_median"] == pytest.approx(1.1)
+    assert s["down"]["epilogue_us_median"] == pytest.approx(0.5)
+    assert "waiting_us_median" not in s["down"]
     assert s["router"]["end"] == pytest.approx([6.0, 6.0, 6.0])
     assert s["shared"]["blocks"] == 2 and s["shared"]["inputs_ready"] == pytest.approx([0.9, 0.925, 0.95])
     assert s["routed"]["waiting_us_median"] == pytest.approx((5.8 + 2.0) / 2)

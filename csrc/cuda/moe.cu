@@ -39,8 +39,8 @@ namespace {
 // Per block of the latest router_experts_gate_up launch: the global timer (ns) at its start, after pdl_wait,
 // when its role is known, when its inputs are ready (shared: h normalised; router: its logits stored; routed:
 // the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM. The blocks
-// of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; inputs ready: warp 0's row copy
-// landed), on the same clock, and the last row (no decode block reaches it) holds router_topk_warp's steps (role 4,
+// of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; its third and fourth stamps are
+// when the block's last routed warp and its last shared warp finished their dot products), on the same clock, and the last row (no decode block reaches it) holds router_topk_warp's steps (role 4,
 // through router.cuh's TM_TOPK_STAMP hook: poll start, logits in, softmax, picks, ids stored).
 // tm_cuda_rgu_timeline copies the rows out and clears them (scripts/rgu_timeline.py). Without the flag the stamps
 // are empty and the kernels are the product's, bit for bit.
@@ -78,11 +78,13 @@ __device__ __forceinline__ void stamp_role(uint32_t role, uint32_t row0 = 0) {
     rgu_timeline[r].sm = sm_id();
   }
 }
-// The end of the block's last warp (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
-__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) {
+// Stamp k at the latest of the calling warps (the rows start cleared: tm_cuda_rgu_timeline zeroes them).
+__device__ __forceinline__ void stamp_latest(int k, uint32_t row0 = 0) {
   const uint32_t r = row0 + blockIdx.x;
-  if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[4], global_ns());
+  if ((threadIdx.x & 31) == 0 && blockIdx.y == 0 && r < kTimelineRows) atomicMax(&rgu_timeline[r].t[k], global_ns());
 }
+// The end of the block's last warp.
+__device__ __forceinline__ void stamp_end(uint32_t row0 = 0) { stamp_latest(4, row0); }
 // One step of the publishing router block's top-k, by lane 0 of its warp.
 __device__ __forceinline__ void stamp_topk(int k) {
   if ((threadIdx.x & 31) == 0) {
@@ -94,6 +96,7 @@ __device__ __forceinline__ void stamp_topk(int k) {
 #else
 __device__ __forceinline__ void stamp(int, uint32_t = 0) {}
 __device__ __forceinline__ void stamp_role(uint32_t, uint32_t = 0) {}
+__device__ __forceinline__ void stamp_latest(int, uint32_t = 0) {}
 __device__ __forceinline__ void stamp_end(uint32_t = 0) {}
 constexpr uint32_t kDownTimelineRow0 = 0;
 #endif
@@ -755,7 +758,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     s_next_w[warp] = __ldg(next_norm_w + r0 + warp);
   pdl_begin();
   stamp(1, kDownTimelineRow0);
-  stamp(2, kDownTimelineRow0);
   stamp_role(3, kDownTimelineRow0);
 #if TM_DOWN_ACT_L1
   {
@@ -775,13 +777,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
-        stamp(3, kDownTimelineRow0);
         down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
       } else {
         down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       }
       if (lane == 0) s_shared[warp] = __fmul_rn(w_eff[0], d[0][0]);
     }
+    stamp_latest(3, kDownTimelineRow0);
   } else {
     const int j = warp - kSplitRows, pair = 2 * (j >> 1);  // the pair's first row, relative to r0
     const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
@@ -826,6 +828,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       }
     }
   }
+  if (!shared_warp) stamp_latest(2, kDownTimelineRow0);
   __syncthreads();
   // Lane 0 of shared warp w adds row r0 + w's terms to x; the block's rows are one group of the next
   // normalisation's grouped sum (kNormGroup == kSplitRows): with xss the four meet at a named barrier and warp 0
