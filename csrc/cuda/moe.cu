@@ -40,8 +40,9 @@ namespace {
 // when its role is known, when its inputs are ready (shared: h normalised; router: its logits stored; routed:
 // the flag acquired) and the latest end of its warps; its role (0 router, 1 shared, 2 routed) and SM. The blocks
 // of the experts_down launch after it follow from row kDownTimelineRow0 (role 3; its third and fourth stamps are
-// when the block's last routed warp and its last shared warp finished their dot products), on the same clock, and the last row (no decode block reaches it) holds router_topk_warp's steps (role 4,
-// through router.cuh's TM_TOPK_STAMP hook: poll start, logits in, softmax, picks, ids stored).
+// when the block's last routed warp and its last shared warp finished their dot products), on the same clock, and
+// the last row (no decode block reaches it) holds router_topk_warp's steps (role 4, through router.cuh's
+// TM_TOPK_STAMP hook: poll start, logits in, softmax, picks, ids stored).
 // tm_cuda_rgu_timeline copies the rows out and clears them (scripts/rgu_timeline.py). Without the flag the stamps
 // are empty and the kernels are the product's, bit for bit.
 #ifndef TM_RGU_TIMELINE
