@@ -706,6 +706,14 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ACT_L1
 #define TM_DOWN_ACT_L1 0
 #endif
+// A measurement knob (results/NOTES.md lesson 113; 0: off, the product's code): lesson 110's activations for the
+// shared warps in shared memory instead: right after pdl_wait each of the 4 shared warps has the copy engine bring a
+// quarter of act_sh behind the block's row copies (22.5 KB more a block, 187 KB an SM at the decode shape), and
+// their dots read both operands there. The same bits (the reader's arithmetic does not depend on where its inputs
+// live).
+#ifndef TM_DOWN_ACT_SMEM
+#define TM_DOWN_ACT_SMEM 0
+#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -771,6 +779,21 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
 #endif
   if (shared_warp) {
     const int64_t r = r0 + warp;
+#if TM_DOWN_ACT_SMEM
+    // act_sh's copy: each shared warp (all four, whatever their rows) brings a quarter; a named barrier then lets
+    // them wait for all four, no warp polling a barrier another has not initialised
+    __shared__ uint64_t act_landed[kSplitRows];
+    float* act_copy = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) +
+                                               kSplitRows * sh.row_bytes);
+    if constexpr (SM) {
+      const int64_t quarter = sh.ffn / kSplitRows;
+      if (lane == 0)
+        bulk_row_to_smem(reinterpret_cast<uint8_t*>(act_copy + warp * quarter),
+                         reinterpret_cast<const uint8_t*>(sh.act + t * sh.ffn + warp * quarter),
+                         static_cast<uint32_t>(quarter * 4), &act_landed[warp]);
+      named_barrier<kSplitRows * 32>(2);
+    }
+#endif
     if (r < sh.hidden) {
       float gate = 1.0f;
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
@@ -778,7 +801,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
+#if TM_DOWN_ACT_SMEM
+#pragma unroll
+        for (int q = 0; q < kSplitRows; ++q) bulk_wait(&act_landed[q]);
+        DownArgs sh_smem = sh;  // the reader takes act + slot * ffn, slot = t: act_copy
+        sh_smem.act = act_copy - t * sh.ffn;
+        down_dots<FS, 1, VS, true>(sh_smem, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
+#else
         down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
+#endif
       } else {
         down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       }
@@ -1063,7 +1094,8 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
           return TM_OK;
         };
         if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
-          const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
+          const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes +
+                                    (TM_DOWN_ACT_SMEM ? ceil_div(ffn_sh * 4, 16) * 16 : 0);
           if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
         }
         return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);
