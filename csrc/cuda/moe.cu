@@ -162,6 +162,9 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_H_L1
 #define TM_RGU_H_L1 0
 #endif
+__device__ __forceinline__ void h_into_l1(const float* ht, int64_t hidden) {  // ht: the token's row of h
+  if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(ht + threadIdx.x * 32);
+}
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -485,7 +488,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
       __syncthreads();
       if (s_h_out) {
         stamp(3);
-        if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(h + p.pair * hidden + threadIdx.x * 32);
+        h_into_l1(h + p.pair * hidden, hidden);
         gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
         stamp_end();
         return;
@@ -548,7 +551,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     }
   }
 #endif
-  if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(h + static_cast<int64_t>(t) * hidden + threadIdx.x * 32);
+  h_into_l1(h + static_cast<int64_t>(t) * hidden, hidden);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
@@ -644,19 +647,35 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
 // slot's factor w_eff (NaN for an expert id out of range), looked up as down_dots does (kept apart from it: this
 // code is what the H200 measured, and sharing a helper changes the compiler's register allocation). rb is ra + 1,
-// or ra itself at the last row of an odd hidden size (computed twice, stored once).
-template <Fmt F, bool V>
-__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
-                                              float (&d)[2][1], float& w_eff) {
+// or ra itself at the last row of an odd hidden size (computed twice, stored once). id() and weight() give the
+// slot's expert id and routing weight where the dot needs them: read from a there (the overload below, the
+// product's: the id before the dot, the weight after it) or loaded earlier by the caller (TM_DOWN_SLOTS_AHEAD).
+template <Fmt F, bool V, class Id, class Weight>
+__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s, Id id,
+                                              Weight weight, float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
-  int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+  int64_t e = id();
   const bool bad = e < 0 || e >= a.n_experts;
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
   const float* xs[1] = {a.act + slot * a.ffn};
   warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
-  w_eff = bad ? kNaN : (a.weights != nullptr ? a.weights[slot] : 1.0f);
+  w_eff = bad ? kNaN : weight();
+}
+// A slot's id and weight as the arguments hold them (no ids: expert 0; no weights: 1).
+__device__ __forceinline__ int64_t slot_id(const DownArgs& a, int64_t slot) {
+  return a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+}
+__device__ __forceinline__ float slot_weight(const DownArgs& a, int64_t slot) {
+  return a.weights != nullptr ? a.weights[slot] : 1.0f;
+}
+template <Fmt F, bool V>
+__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
+                                              float (&d)[2][1], float& w_eff) {
+  const int64_t slot = t * a.top_k + s;
+  down_row_pair<F, V>(a, t, ra, rb, s, [&] { return slot_id(a, slot); }, [&] { return slot_weight(a, slot); }, d,
+                      w_eff);
 }
 
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows = 4 output rows r0 .. r0 + 3 of one token.
@@ -821,27 +840,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
 #if TM_DOWN_SLOTS_AHEAD
     if (ra < rt.hidden && rt.top_k <= 4) {
-      int32_t e_in[2];
+      int32_t e_in[2];  // the ids' own width: 64-bit copies cost the warp 12 more bytes of spills
       float w_in[2];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int64_t s = (j & 1) + 2 * k, slot = t * rt.top_k + s;
-        e_in[k] = s < rt.top_k && rt.ids != nullptr ? rt.ids[slot] : 0;
-        w_in[k] = s < rt.top_k && rt.weights != nullptr ? rt.weights[slot] : 1.0f;
+        e_in[k] = s < rt.top_k ? static_cast<int32_t>(slot_id(rt, slot)) : 0;
+        w_in[k] = s < rt.top_k ? slot_weight(rt, slot) : 1.0f;
       }
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int64_t s = (j & 1) + 2 * k;
         if (s >= rt.top_k) break;
-        int64_t e = e_in[k];
-        const bool bad = e < 0 || e >= rt.n_experts;
-        if (bad) e = 0;
-        const uint8_t* base = rt.w_down + e * rt.hidden * rt.row_bytes;
-        const uint8_t* wr[2] = {base + ra * rt.row_bytes, base + rb * rt.row_bytes};
-        const float* xs[1] = {rt.act + (t * rt.top_k + s) * rt.ffn};
-        float d[2][1];
-        warp_dot<FR, 2, 1, true, VR>(wr, xs, rt.nblocks, d);
-        const float w_eff = bad ? kNaN : w_in[k];
+        float d[2][1], w_eff;
+        down_row_pair<FR, VR>(rt, t, ra, rb, s, [&] { return e_in[k]; }, [&] { return w_in[k]; }, d, w_eff);
         if (lane == 0) {
           s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
           if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
