@@ -259,6 +259,12 @@ if want determinism; then
     --compare fused,graphs,torch,tiled,gguf-layout --json "$OUT/determinism_layout.json" \
     > "$OUT/determinism_layout.log" 2>&1
   echo "exit $?"; tail -5 "$OUT/determinism_layout.log"
+  stamp "determinism (prompt in steps of 128 tokens vs token by token)"
+  # a 200-token prompt: a 128-token step, then 72, the attention of the second over more than 128 positions
+  timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_PREFILL_TOKENS:-32} \
+    --prompt-tokens 200 --compare fused,graphs,torch,batched-prefill,per-token-prefill \
+    --json "$OUT/determinism_prefill.json" > "$OUT/determinism_prefill.log" 2>&1
+  echo "exit $?"; tail -5 "$OUT/determinism_prefill.log"
   stamp "determinism (torch vs java)"
   timeout -k 10 "$(left 60)" $CLI determinism --model "$MODEL" --device cuda --runs 2 -n ${DET_JAVA_TOKENS:-256} \
     --compare fused,graphs,torch,java --json "$OUT/determinism_java.json" > "$OUT/determinism_java.log" 2>&1

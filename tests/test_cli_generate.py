@@ -147,9 +147,18 @@ def test_profiler_table_and_dump(tiny_model_path: Path, tmp_path: Path, capsys: 
         assert key in report
     declared = report["launches_per_token_declared"]
     assert declared == Engine(load_model(tiny_model_path), EngineOptions(device="cpu")).launches_per_token
-    # warm-up step + 2 prompt steps + 2 decode steps, every task once per step
-    assert report["profiler"]["kernel_count"] == 5 * declared
-    assert all(t["launches"] == 5 for t in report["profiler"]["tasks"])
+    # the one-token steps: warm-up + 2 decode steps, every task once per step (the prompt is one 2-token
+    # step of a plan of its own) ...
+    assert report["profiler"]["kernel_count"] == 3 * declared
+    assert all(t["launches"] == 3 for t in report["profiler"]["tasks"])
+    # ... and the 2 prompt steps too when the prompt goes token by token
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_path), "--device", "cpu",
+                         "--prompt-ids", "1,2", "-n", "3", "--prefill-chunk", "1", "--profiler-dump-dir",
+                         str(tmp_path / "prof1.json"))
+    assert rc == 0, err
+    report = json.loads((tmp_path / "prof1.json").read_text())
+    assert report["profiler"]["kernel_count"] == 4 * declared
+    assert report["variant"] == "fused/eager/torch/per-token-prefill"
 
 
 # ---- text model ------------------------------------------------------------------------------------------

@@ -92,6 +92,19 @@ def test_determinism_identical_runs_and_fused_vs_per_slot(tiny_model_path: Path,
         assert r["tokens_sha256"] == tokens_sha and r["logits_sha256"] == logits_sha
 
 
+def test_determinism_batched_vs_per_token_prefill(tiny_model_path: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The prefill pair is an axis like the others: sampled runs of both agree bit for bit."""
+    out_json = tmp_path / "det.json"
+    rc, out, err = run_cli(capsys, "determinism", "--model", str(tiny_model_path), "--device", "cpu",
+                           "--runs", "2", "-n", "6", "--prompt-ids", PROMPT, "--temperature", "0.8",
+                           "--compare", "batched-prefill,per-token-prefill", "--json", str(out_json))
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["identical"] is True
+    assert report["variants"] == ["fused/eager/torch", "fused/eager/torch/per-token-prefill"]
+
+
 def test_determinism_reports_the_first_diverging_step(tiny_model_path: Path, tiny, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """--vary-seed: run i samples with seed + i. Prefer a seed whose two runs agree for a few steps first."""
@@ -257,7 +270,7 @@ def test_profile_bad_variants(variants: str, frags: list[str], tiny_model_path: 
 BENCH_VARIANT_KEYS = {"variant": str, "decode_tok_s_median": float, "decode_tok_s_runs": list,
                       "prefill_tok_s_median": float, "launches_per_token": int, "decode_tok_s_min": float,
                       "decode_tok_s_max": float, "decode_tok_s_stdev": float, "fuse_experts": bool,
-                      "cuda_graphs": bool, "route": str, "steps_per_graph": int}
+                      "cuda_graphs": bool, "route": str, "steps_per_graph": int, "prefill_chunk": int}
 
 
 def bench_report(capsys: pytest.CaptureFixture[str], model: Path, tmp_path: Path, *argv: str
@@ -287,6 +300,20 @@ def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: 
         engine = Engine(tiny, EngineOptions(device="cpu", fuse_experts=v["fuse_experts"]))
         assert v["launches_per_token"] == engine.launches_per_token
     assert "decode tok/s" in out
+
+
+def test_bench_compares_batched_and_per_token_prefill(tiny_model_path: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tornado_moe.cli.common import PREFILL_CHUNK_HELP_DEFAULT
+    from tornado_moe.engine.engine import DEFAULT_PREFILL_CHUNK
+
+    assert PREFILL_CHUNK_HELP_DEFAULT == DEFAULT_PREFILL_CHUNK
+    report, _ = bench_report(capsys, tiny_model_path, tmp_path, "-n", "3", "--prompt-tokens", "9",
+                             "--repeats", "1", "--compare", "per-token-prefill,batched-prefill")
+    assert [(v["variant"], v["prefill_chunk"]) for v in report["variants"]] == [
+        ("fused/eager/torch", DEFAULT_PREFILL_CHUNK), ("fused/eager/torch/per-token-prefill", 1)]
+    assert report["tokens_identical_across_variants"] is True
+    assert all(v["prefill_tok_s_median"] > 0 for v in report["variants"])
 
 
 def test_bench_steps_per_graph_list_runs_each_count(tiny_model_path: Path, tmp_path: Path,

@@ -120,6 +120,75 @@ def test_pipelined_generate_is_the_stepwise_loop(tiny, device: str, cuda_graphs:
     assert piped.last_logits().cpu().numpy().tobytes() == ref.last_logits().cpu().numpy().tobytes()
 
 
+def _sequence_state(engine: Engine) -> tuple:
+    """Everything a step leaves for the next: positions, the chosen token, the last logits and hidden state,
+    and every KV-cache row written (bytes)."""
+    p = engine.position
+    caches = b"".join(c[:p].cpu().numpy().tobytes() for c in (*engine.act.k_cache, *engine.act.v_cache))
+    rows = (engine.last_logits(), engine.hidden_state())
+    return (p, int(engine.act.position.item()), int(engine.act.tokens[0].item()),
+            *(r.cpu().numpy().tobytes() for r in rows), caches)
+
+
+LONG_PROMPT = [3, 17, 250, 9, 101, 44, 7, 311, 64, 2, 480]  # 11 tokens: chunks of 2 leave one, of 4 leave 3
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 128])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-slot"])
+@pytest.mark.parametrize(("device", "cuda_graphs"), _pipelining_params())
+def test_batched_prefill_is_token_by_token(tiny, device: str, cuda_graphs: bool, fuse: bool, sampled: bool,
+                                           chunk: int) -> None:
+    """A prompt run through in chunks of several tokens leaves bitwise the state of feeding its tokens one by
+    one (the KV cache, the last logits and hidden state, the position and the chosen token, sampled ones
+    included), at the start of a sequence and in the middle of one; decoding on gives the same tokens."""
+    sampler = SamplerConfig(temperature=0.9, top_p=0.9, top_k=40, seed=7) if sampled else SamplerConfig()
+
+    def engine(prefill_chunk: int) -> Engine:
+        return Engine(tiny, EngineOptions(device=device, cuda_graphs=cuda_graphs, fuse_experts=fuse,
+                                          sampler=sampler, prefill_chunk=prefill_chunk))
+
+    batched, by_token = engine(chunk), engine(1)
+    assert batched.act.max_tokens == chunk and by_token.act.max_tokens == 1
+    for prompt in (LONG_PROMPT, [5, 77, 190]):  # the second continues the sequence
+        first = batched.prefill(prompt)
+        assert first == [by_token.feed(t) for t in prompt][-1]
+        assert _sequence_state(batched) == _sequence_state(by_token)
+        a = [batched.decode_next() for _ in range(4)]
+        assert a == [by_token.decode_next() for _ in range(4)]
+        assert _sequence_state(batched) == _sequence_state(by_token)
+
+
+def test_prefill_plans_are_built_per_chunk_length_and_few_are_kept(tiny) -> None:
+    eng = Engine(tiny, EngineOptions(device="cpu", prefill_chunk=4))
+    ref = Engine(tiny, EngineOptions(device="cpu", prefill_chunk=1))
+    for n in (2, 3, 4, 6, 7, 5, 3):  # chunk lengths 2, 3, 4, 4+2, 4+3, 4+1 (the decode plan), 3
+        prompt = LONG_PROMPT[:n]
+        assert eng.prefill(prompt) == ref.prefill(prompt)
+        assert _sequence_state(eng) == _sequence_state(ref)
+        eng.reset()
+        ref.reset()
+    # most recently used last; a single token takes the decode plan
+    assert list(eng._prefill_plans) == [2, 4, 3]
+    assert all(len(p.graphs) == tiny.config.n_layers + 2 for p in eng._prefill_plans.values())
+
+
+def test_prefill_chunk_below_one_is_a_clear_error(tiny) -> None:
+    with pytest.raises(InputError, match="--prefill-chunk"):
+        Engine(tiny, EngineOptions(device="cpu", prefill_chunk=0))
+
+
+def test_prefill_checks_every_token_before_running(tiny) -> None:
+    eng = Engine(tiny, EngineOptions(device="cpu", max_context=8))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        eng.prefill([1, 2, tiny.config.vocab])
+    with pytest.raises(InputError, match="exceeds the context of 8"):
+        eng.prefill(list(range(9)))
+    with pytest.raises(InputError, match="no tokens"):
+        eng.prefill([])
+    assert eng.position == 0
+
+
 def test_declared_launch_counts(tiny) -> None:
     cfg = tiny.config
     fused = Engine(tiny, EngineOptions(device="cpu", fuse_experts=True))

@@ -52,6 +52,17 @@ def test_llama_layers_match_the_reference(tmp_path, experts: int) -> None:
     assert _rel_err_vs_reference(model, IDS) < 2e-4
 
 
+@pytest.mark.parametrize("experts", [0, 4], ids=["llama-dense", "llama-mixtral"])
+def test_llama_batched_prefill_is_token_by_token(tmp_path, experts: int) -> None:
+    """The other layer shapes (a dense FFN, experts without a shared one, interleaved RoPE, no qkv bias): the
+    prompt in one step gives bitwise the tokens and logits of feeding it token by token."""
+    keys, tensors = llama_spec(n_exp=experts, top_k=2 if experts else 0, ffn=64, tied=False)
+    model = load_model(write_gguf_file(tmp_path / "llama.gguf", "llama", keys, tensors))
+    by_token, batched = (_trace(Engine(model, EngineOptions(device="cpu", prefill_chunk=n)), IDS, 4)
+                         for n in (1, 4))
+    assert by_token == batched
+
+
 def test_default_model_matches_the_reference(default_model: GGUFModel) -> None:
     tokens = Tokenizer.from_metadata(default_model.metadata).encode("The capital of France is")
     assert _rel_err_vs_reference(default_model, tokens) < 5e-4
@@ -60,8 +71,11 @@ def test_default_model_matches_the_reference(default_model: GGUFModel) -> None:
 def test_default_model_generates_paris(default_model: GGUFModel) -> None:
     tok = Tokenizer.from_metadata(default_model.metadata)
     prompt = tok.encode("The capital of France is")
-    out, _ = _trace(Engine(default_model, EngineOptions(device="cpu")), prompt, 3)
+    out, logits = _trace(Engine(default_model, EngineOptions(device="cpu")), prompt, 3)
     assert tok.decode(out).startswith(" Paris")
+    # the prompt went through in one step; token by token gives the same bits
+    by_token = Engine(default_model, EngineOptions(device="cpu", prefill_chunk=1))
+    assert _trace(by_token, prompt, 3) == (out, logits)
 
 
 ROUTE_CASES = [
@@ -100,8 +114,8 @@ def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_m
 @pytest.mark.parametrize("device", device_params())
 def test_profiler_counts_one_launch_per_task(tiny_model_path, device: str) -> None:
     model = load_model(tiny_model_path)
-    eng = Engine(model, EngineOptions(device=device, profiler=True))
-    eng.generate(IDS[:2], 3)
+    eng = Engine(model, EngineOptions(device=device, profiler=True, prefill_chunk=1))
+    eng.generate(IDS[:2], 3)  # the prompt token by token: every step one of the profiled plan
     prof = eng.plan.profiler_result()
     steps = 2 + 3 - 1
     assert prof.kernel_count == steps * eng.launches_per_token

@@ -19,11 +19,12 @@ from tornado_moe.cli.common import (
 )
 
 EPILOG = """\
-variants (--compare): a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout; both
-values of a pair make it an axis (all combinations run side by side in one process, one engine at a time
-over one loaded model), one value fixes it, an axis not named keeps the default (fused, CUDA graphs on a
-GPU / eager on CPU, torch, tiled: Q8_0 weights re-laid out for the GPU at upload; gguf-layout reads them as
-stored in the file). Default: that single variant.
+variants (--compare): a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout,
+batched-prefill,per-token-prefill; both values of a pair make it an axis (all combinations run side by side
+in one process, one engine at a time over one loaded model), one value fixes it, an axis not named keeps the
+default (fused, CUDA graphs on a GPU / eager on CPU, torch, tiled: Q8_0 weights re-laid out for the GPU at
+upload; gguf-layout reads them as stored in the file; batched-prefill: the prompt in one step of up to 128
+tokens, per-token-prefill one step per token). Default: that single variant.
 
 examples:
   tornado-moe bench --preset qwen1.5-moe-a2.7b --compare fused,per-slot,eager,graphs --json bench.json
@@ -31,7 +32,8 @@ examples:
 
 JSON: {command, date, git_commit, device, gpu_name, model, torch_version, prompt_tokens, max_tokens,
        repeats, warmup, tokens_identical_across_variants,
-       variants: [{variant, fuse_experts, cuda_graphs, route, tile_weights, decode_tok_s_median,
+       variants: [{variant, fuse_experts, cuda_graphs, route, tile_weights, steps_per_graph,
+                   prefill_chunk, decode_tok_s_median,
                    decode_tok_s_min, decode_tok_s_max, decode_tok_s_stdev, decode_tok_s_runs,
                    decode_ms_per_token_median, prefill_tok_s_median, prefill_tok_s_min, prefill_tok_s_max,
                    prefill_tok_s_runs, launches_per_token, tokens_sha256, tokens_identical_across_repeats}]}

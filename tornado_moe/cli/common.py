@@ -68,6 +68,8 @@ def _positive_int_list(text: str) -> list[int]:
 
 #: EngineOptions.steps_per_graph's default, as the help texts state it (a test ties the two together).
 STEPS_PER_GRAPH_HELP_DEFAULT = 8
+#: EngineOptions.prefill_chunk's default, as ``generate --help`` states it (tied by the same test).
+PREFILL_CHUNK_HELP_DEFAULT = 128
 
 
 def add_steps_per_graph_argument(p: argparse.ArgumentParser, *, several: bool = False) -> None:

@@ -18,10 +18,11 @@ from tornado_moe.cli.common import (
 )
 
 EPILOG = """\
-variants (--compare): a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout. Both
-values of a pair (fused vs per-slot, graphs vs eager, torch vs java, tiled vs gguf-layout Q8_0 weights on
-CUDA) add that pair as an axis; one value fixes the axis; an axis not named keeps the default (fused, CUDA
-graphs on a GPU / eager on CPU, torch, tiled). Default: runs only.
+variants (--compare): a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout,
+batched-prefill,per-token-prefill. Both values of a pair (fused vs per-slot, graphs vs eager, torch vs java,
+tiled vs gguf-layout Q8_0 weights on CUDA, the prompt in one step vs one step per token) add that pair as an
+axis; one value fixes the axis; an axis not named keeps the default (fused, CUDA graphs on a GPU / eager on
+CPU, torch, tiled, batched-prefill). Default: runs only.
 
 exit status: 0 when every run of every variant gives bitwise identical tokens and logits, 1 when any
 differs (the first diverging step and layer are reported), 2 on bad input.

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from tornado_moe.cli.common import (
+    PREFILL_CHUNK_HELP_DEFAULT,
     add_device_argument,
     add_steps_per_graph_argument,
     load,
@@ -97,6 +98,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="capture the whole decode step (all layers) as one CUDA graph, replayed per token "
                         "(needs a CUDA device)")
     add_steps_per_graph_argument(x)
+    x.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK_HELP_DEFAULT, metavar="N",
+                   help="prompt tokens run through the model in one step (one launch per task for all of "
+                        "them); 1 feeds the prompt token by token. Any N gives bitwise the same tokens and "
+                        "logits (default: %(default)s)")
     x.add_argument("--per-slot", action="store_true",
                    help="unfused routed experts: two launches per routed slot and layer instead of two per "
                         "layer (bitwise identical results; for comparisons)")
@@ -109,8 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = p.add_argument_group("diagnostics")
     d.add_argument("--profiler", action="store_true",
-                   help="count launches and time kernels per task; print a per-task table on stderr at the "
-                        "end")
+                   help="count launches and time kernels per task of the one-token steps (the decode, and "
+                        "the prompt too with --prefill-chunk 1); print a per-task table on stderr at the end")
     d.add_argument("--profiler-dump-dir", metavar="DIR",
                    help="also write the profile as JSON into DIR (a name ending in .json is used as the file "
                         "itself); implies --profiler")
@@ -180,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     opts = EngineOptions(device=args.device, route=args.route, fuse_experts=not args.per_slot,
                          tile_weights=not args.gguf_layout,
                          cuda_graphs=args.cuda_graphs, steps_per_graph=args.steps_per_graph,
+                         prefill_chunk=args.prefill_chunk,
                          profiler=profiler, max_context=args.max_context,
                          sampler=sampler, progress=args.verbose_init)
     t1 = time.perf_counter()
@@ -384,4 +390,4 @@ def _variant_name(engine: Engine) -> str:
     from tornado_moe.tools.variants import Variant
 
     o = engine.options
-    return Variant(o.fuse_experts, o.cuda_graphs, o.route, o.tile_weights).name
+    return Variant(o.fuse_experts, o.cuda_graphs, o.route, o.tile_weights, o.prefill_chunk > 1).name

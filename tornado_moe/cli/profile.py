@@ -20,7 +20,8 @@ from tornado_moe.cli.common import (
 EPILOG = """\
 variants: a comma list from fused,per-slot,eager,graphs,torch,java,tiled,gguf-layout; both values of a
 pair make it an axis, one value fixes it, an axis not named keeps the default (fused, graphs on CUDA / eager
-on CPU, torch, tiled Q8_0 weights on CUDA).
+on CPU, torch, tiled Q8_0 weights on CUDA). The prompt is fed token by token, so that every step profiled is
+a one-token step of the plan the decode runs.
 Default: fused,per-slot on CPU; fused,per-slot,eager,graphs on CUDA.
 
 exit status: 0 when declared and measured launch counts agree for every variant, 1 when they do not,

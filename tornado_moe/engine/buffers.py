@@ -88,7 +88,7 @@ class Activations:
         self.act_dense = torch.zeros(T, max(ffn_dense, 1), **f32)
         # the shared-expert gate factors, written by router_experts_gate_up for experts_down_accumulate
         self.shared_gate = torch.zeros(T, **f32)
-        self.logits = torch.zeros(T, cfg.vocab, **f32)
+        self.logits = torch.zeros(1, cfg.vocab, **f32)  # a step's last token's only (logits_graph)
         self.tokens = torch.zeros(T, **i32)
         self.position = torch.zeros(1, **i32)
         # token_log[p]: the token chosen for position p (advance_position writes it; max_context + 1 entries

@@ -34,6 +34,10 @@ def resolve_device(name: str) -> torch.device:
 
 #: decode steps generate() launches at once by default (EngineOptions.steps_per_graph)
 DEFAULT_STEPS_PER_GRAPH = 8
+#: prompt tokens one prefill step processes by default (EngineOptions.prefill_chunk)
+DEFAULT_PREFILL_CHUNK = 128
+#: prefill plans (one per chunk length) an engine keeps built; the least recently used goes first
+_PREFILL_PLANS_KEPT = 4
 
 
 @dataclass
@@ -50,6 +54,10 @@ class EngineOptions:
     # so the device does not idle at a graph boundary between them (results/NOTES.md, v9). Tokens come back
     # once per such launch; past a stop token the extra steps are discarded.
     steps_per_graph: int = DEFAULT_STEPS_PER_GRAPH
+    # Prompt tokens one prefill step runs through the model at once (every kernel takes a token count): the
+    # same bits as feeding them one by one, with a launch per task for the whole chunk instead of per token.
+    # 1 = token by token, through the decode plan.
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     progress: bool = False
 
@@ -77,11 +85,13 @@ class GenerationStats:
 
 
 class Engine:
-    """One model on one device, decoding one sequence token by token through the task graphs.
+    """One model on one device, decoding one sequence through the task graphs.
 
-    A step feeds one token: the embedding graph, one graph per layer and the logits graph run as one
+    A decode step feeds one token: the embedding graph, one graph per layer and the logits graph run as one
     execution plan, which writes the next token id and advances the device-side position. With
     ``cuda_graphs`` the whole step is captured once (after a first eager step) and replayed per token.
+    A prompt goes through in chunks of up to ``prefill_chunk`` tokens, each one execution of a plan built
+    for that many tokens over the same buffers and KV cache (run eagerly: it runs once per prompt).
     """
 
     def __init__(self, model: GGUFModel, options: EngineOptions | None = None) -> None:
@@ -94,18 +104,31 @@ class Engine:
         if opts.steps_per_graph < 1:
             raise InputError("steps per graph (--steps-per-graph) must be at least 1, got "
                              f"{opts.steps_per_graph}")
+        if opts.prefill_chunk < 1:
+            raise InputError(f"prefill chunk (--prefill-chunk) must be at least 1, got {opts.prefill_chunk}")
         self.max_context = min(opts.max_context or 4096, cfg.context_length)
         self.weights = DeviceModel(model, self.device, progress=opts.progress, tile=opts.tile_weights)
-        self.act = Activations(cfg, self.device, max_tokens=1, max_context=self.max_context)
-        self.graphs: list[ImmutableTaskGraph] = [embedding_graph(self.weights, self.act, 1)]
-        self.graphs += [layer_graph(self.weights, self.act, i, 1, fuse_experts=opts.fuse_experts)
-                        for i in range(cfg.n_layers)]
-        self.graphs.append(logits_graph(self.weights, self.act, 1, opts.sampler))
+        # per-token buffers for a whole prefill chunk; a decode step uses their first row
+        self.act = Activations(cfg, self.device, max_tokens=min(opts.prefill_chunk, self.max_context),
+                               max_context=self.max_context)
+        self.graphs = self._step_graphs(1)
         self.plan = ExecutionPlan(*self.graphs, device=self.device, route=opts.route)
         if opts.profiler:
             self.plan.with_profiler()
+        self._prefill_plans: dict[int, ExecutionPlan] = {}
+        self._plan_ran = False  # whether the decode plan ran eagerly (CUDA-graph capture waits for that)
         self._graph_enabled = False
         self.position = 0
+        self._last_row = 0  # the buffers' row of the last token processed (a prefill step's last)
+
+    def _step_graphs(self, n_tokens: int) -> list[ImmutableTaskGraph]:
+        """The graphs of one step over ``n_tokens`` consecutive tokens: embedding, layers, logits."""
+        w, act, opts = self.weights, self.act, self.options
+        graphs = [embedding_graph(w, act, n_tokens)]
+        graphs += [layer_graph(w, act, i, n_tokens, fuse_experts=opts.fuse_experts)
+                   for i in range(self.config.n_layers)]
+        graphs.append(logits_graph(w, act, n_tokens, opts.sampler))
+        return graphs
 
     # ---- steps -------------------------------------------------------------------------------------------
     @property
@@ -123,24 +146,74 @@ class Engine:
                              f"{self.max_context} tokens (model context {self.config.context_length})")
 
     def _execute(self, steps: int = 1) -> None:
-        if self.options.cuda_graphs and not self._graph_enabled and self.position > 0:
-            # Capture only after one eager step, so lazy module loading never happens during capture.
+        """``steps`` decode steps of the decode plan; with cuda_graphs, replays of its capture once it has run
+        eagerly (so that capture never loads modules lazily)."""
+        if self.options.cuda_graphs and not self._graph_enabled:
+            if not self._plan_ran:
+                self._run_decode_plan(1)
+                steps -= 1
             self.plan.with_cuda_graph()
             self._graph_enabled = True
+        if steps:
+            self._run_decode_plan(steps)
+
+    def _run_decode_plan(self, steps: int) -> None:
         self.plan.execute(steps)
         self.position += steps
+        self._plan_ran = True
+        self._last_row = 0
 
-    def _load_token(self, token: int) -> None:
-        """Checks room and id, then writes the token where the embedding task reads it."""
-        self._check_room(1)
-        if not 0 <= token < self.config.vocab:
-            raise InputError(f"token id {token} is outside the vocabulary (0..{self.config.vocab - 1})")
-        self.act.tokens[0] = token
+    def _prefill_plan(self, n_tokens: int) -> ExecutionPlan:
+        """The plan of one step over ``n_tokens`` prompt tokens, built on first use (a few are kept)."""
+        plan = self._prefill_plans.pop(n_tokens, None)
+        if plan is None:
+            if len(self._prefill_plans) >= _PREFILL_PLANS_KEPT:
+                self._prefill_plans.pop(next(iter(self._prefill_plans))).close()
+            plan = ExecutionPlan(*self._step_graphs(n_tokens), device=self.device, route=self.options.route)
+        self._prefill_plans[n_tokens] = plan  # most recently used last
+        return plan
+
+    def _prefill(self, tokens: Sequence[int]) -> None:
+        """Feeds ``tokens`` at the current position, ``prefill_chunk`` at a time; the last chunk's step
+        chooses the next token. Bitwise the same as feeding them one by one: every kernel computes a (token,
+        row) value the same way whatever the step's token count, and attention reads the cache rows a token's
+        own step would (the chunk's earlier tokens' among them)."""
+        self._check_tokens(tokens)  # all of them before the first chunk runs
+        step = self.act.max_tokens
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start:start + step]
+            self._load_tokens(chunk)
+            if len(chunk) == 1:
+                self._execute()
+            else:
+                self._prefill_plan(len(chunk)).execute()
+                self.position += len(chunk)
+                self._last_row = len(chunk) - 1
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        """Room for ``tokens`` at the current position, and ids inside the vocabulary."""
+        self._check_room(len(tokens))
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab - 1})")
+
+    def _load_tokens(self, tokens: Sequence[int]) -> None:
+        """Writes checked tokens where the embedding task reads them."""
+        if len(tokens) == 1:
+            self.act.tokens[0] = tokens[0]
+        else:
+            self.act.tokens[:len(tokens)].copy_(torch.tensor(list(tokens), dtype=torch.int32))
 
     def feed(self, token: int) -> int:
         """Processes ``token`` at the current position and returns the chosen next token."""
-        self._load_token(token)
-        self._execute()
+        return self.prefill([token])
+
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Processes ``tokens`` from the current position (in chunks, :meth:`_prefill`) and returns the chosen
+        next token: feed() of each token in turn, in fewer launches."""
+        if not tokens:
+            raise InputError("no tokens to prefill")
+        self._prefill(tokens)
         return int(self.act.tokens[0].item())
 
     def decode_next(self) -> int:
@@ -155,19 +228,22 @@ class Engine:
         For diagnostics (tornado-moe determinism hashes the residual stream after every layer graph): the
         same kernels in the same order as a plan execution, never a CUDA-graph replay.
         """
-        self._load_token(token)
+        self._check_tokens([token])
+        self._load_tokens([token])
         for gi, graph in enumerate(self.plan.graphs):
             for ti in range(graph.launch_count):
                 self.plan.execute_task(gi, ti)
             after_graph(gi, graph)
         self.position += 1
+        self._last_row = 0
         return int(self.act.tokens[0].item())
 
     def last_logits(self) -> torch.Tensor:
         return self.act.logits[0]
 
     def hidden_state(self) -> torch.Tensor:
-        return self.act.x[0]
+        """The residual stream after the last layer for the last token processed."""
+        return self.act.x[self._last_row]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
@@ -195,9 +271,7 @@ class Engine:
         reader = _TokenReader(self.act.token_log, chunk)
         sync()
         t0 = time.perf_counter()
-        for tok in prompt_ids:
-            self._load_token(tok)
-            self._execute()
+        self._prefill(prompt_ids)
         first = self.position  # out[i] is the token logged for position first + i
         pending = reader.enqueue(first, 1)
         sync()
@@ -249,6 +323,9 @@ class Engine:
             self.act.tokens[0] = chosen
 
     def close(self) -> None:
+        for plan in self._prefill_plans.values():
+            plan.close()
+        self._prefill_plans.clear()
         self.plan.close()
 
 

@@ -220,7 +220,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
 
 def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: SamplerConfig
                  ) -> ImmutableTaskGraph:
-    """Final norm and logits for the LAST token of the step, next-token choice, position advance."""
+    """Final norm and logits for the LAST token of the step, next-token choice, position advance (by the
+    step's token count)."""
     cfg, T, out = dm.config, n_tokens, dm.output
     last_x = act.x[T - 1:T]
     last_h = act.h[T - 1:T]
@@ -230,12 +231,18 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False,
            None)
     next_token = act.tokens[:1]
+    advance = T  # positions the step moves on by once the next token is chosen
     if sampler.greedy:
         g.task("argmax", "argmax", logits, next_token, 1, cfg.vocab)
     else:
+        # The sample is keyed by the position of the token whose logits it reads (the step's last), as when
+        # tokens come one a step: a step of several first moves the device position to its last token.
+        if T > 1:
+            g.task("position_to_last", "advance_position", act.position, T - 1, None, None, 0)
+            advance = 1
         g.task("sample", "sample", logits, next_token, cfg.vocab, sampler.temperature, sampler.top_p,
                sampler.top_k, u64_as_int64(sampler.seed), act.position)
-    g.task("advance_position", "advance_position", act.position, T, next_token, act.token_log,
+    g.task("advance_position", "advance_position", act.position, advance, next_token, act.token_log,
            act.token_log.numel())
     g.transfer_to_host(DataTransferMode.EVERY_EXECUTION, next_token)
     return g.snapshot()

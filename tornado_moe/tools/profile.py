@@ -307,7 +307,9 @@ def profile_variant(model: Any, variant: Variant, device: str, prompt_ids: Seque
                     copy_gb_s: float, cuda_steps: int = 3, repeats: int = 3, max_context: int | None = None
                     ) -> dict[str, Any]:
     """Profile one variant (see the module docstring); returns its report entry."""
-    with variant_engine(model, variant, device, profiler=True, max_context=max_context) as engine:
+    # The prompt token by token: every step of a generate() is then one of the profiled (decode) plan.
+    with variant_engine(model, variant, device, profiler=True, max_context=max_context,
+                        prefill_chunk=1) as engine:
         return _profile_engine(engine, variant, list(prompt_ids), n_tokens, copy_gb_s, cuda_steps, repeats)
 
 
