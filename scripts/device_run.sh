@@ -45,7 +45,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep
+STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -202,6 +202,13 @@ if want bench; then
   timeout -k 10 "$(left 150)" $CLI bench "${BENCH_ARGS[@]}" --compare ${BENCH_VARIANTS:-fused,per-slot,eager,graphs,torch,java} \
     ${BENCH_STEPS:+--steps-per-graph "$BENCH_STEPS"} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/bench.log"
+fi
+if want prefill; then  # prompt processing: the prompt in steps of 128 tokens against one step per token
+  stamp prefill
+  timeout -k 10 "$(left 90)" $CLI bench --model "$MODEL" --device cuda --prompt-tokens ${PREFILL_TOKENS:-512} -n 2 \
+    --repeats 3 --compare fused,graphs,torch,batched-prefill,per-token-prefill --json "$OUT/bench_prefill.json" \
+    > "$OUT/bench_prefill.log" 2>&1
+  tail -4 "$OUT/bench_prefill.log"
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
   IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"
