@@ -82,14 +82,15 @@ def bench_model(model: Any, variants: Sequence[Variant], device: torch.device, p
 
 
 def format_report(report: dict[str, Any]) -> str:
+    w = max([22] + [len(r["variant"]) for r in report["variants"]])
     lines = [f"model: {report.get('model')}  device: {report.get('gpu_name')}  prompt "
              f"{report['prompt_tokens']} tokens, {report['max_tokens']} generated, {report['warmup']} "
              f"warm-up + {report['repeats']} runs",
-             f"{'variant':<22} {'decode tok/s':>12} {'min':>9} {'max':>9} {'stdev':>8} {'ms/token':>9} "
+             f"{'variant':<{w}} {'decode tok/s':>12} {'min':>9} {'max':>9} {'stdev':>8} {'ms/token':>9} "
              f"{'prefill tok/s':>14} {'launches/token':>15}"]
     for r in report["variants"]:
         ms = r["decode_ms_per_token_median"]
-        lines.append(f"{r['variant']:<22} {r['decode_tok_s_median']:>12.1f} {r['decode_tok_s_min']:>9.1f} "
+        lines.append(f"{r['variant']:<{w}} {r['decode_tok_s_median']:>12.1f} {r['decode_tok_s_min']:>9.1f} "
                      f"{r['decode_tok_s_max']:>9.1f} {r['decode_tok_s_stdev']:>8.2f} "
                      f"{(f'{ms:.3f}' if ms else '-'):>9} {r['prefill_tok_s_median']:>14.1f} "
                      f"{r['launches_per_token']:>15}")

@@ -252,9 +252,10 @@ def check_determinism(model: Any, variants: Sequence[Variant], device: str, prom
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"{'variant':<22} {'run':>3} {'seed':>6} {'tokens sha256':<18} {'logits sha256':<18} {'n':>5}"]
+    w = max([22] + [len(r["variant"]) for r in report["runs"]])
+    lines = [f"{'variant':<{w}} {'run':>3} {'seed':>6} {'tokens sha256':<18} {'logits sha256':<18} {'n':>5}"]
     for r in report["runs"]:
-        lines.append(f"{r['variant']:<22} {r['run']:>3} {r['seed']:>6} {r['tokens_sha256'][:16]:<18} "
+        lines.append(f"{r['variant']:<{w}} {r['run']:>3} {r['seed']:>6} {r['tokens_sha256'][:16]:<18} "
                      f"{r['logits_sha256'][:16]:<18} {r['n_tokens']:>5}")
     if report["identical"]:
         n = len(report["runs"])
