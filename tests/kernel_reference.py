@@ -1,7 +1,8 @@
 """Float64 references for the kernel tests: what each kernel of csrc/include/tornado_moe.h must compute.
 
-Nothing here goes through the C code. Weights are quantized with gguf's own quantizers and turned back into
-numbers with ``gguf.quants.dequantize``; the math is torch float64. rmsnorm, RoPE and the router's top-k come
+Nothing here goes through the C code. Weights are quantized with gguf's own quantizers (libgguf's, llama.cpp's
+reference, for the K types) and turned back into numbers with ``gguf.quants.dequantize``; the math is torch
+float64. rmsnorm, RoPE and the router's top-k come
 from the package's float64 reference model (one definition of those formulas); the rest is written out here.
 """
 
@@ -16,6 +17,7 @@ from gguf.quants import quantize as gguf_quantize
 from tornado_moe.reference.model64 import rmsnorm, rope, route_topk
 
 __all__ = [
+    "K_QTYPES",
     "QTYPES",
     "QTYPE_NAMES",
     "attention",
@@ -35,9 +37,11 @@ __all__ = [
 
 F64 = torch.float64
 
-# GGML type ids of the supported weight formats.
-QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
-QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
+# GGML type ids of the supported weight formats: rows of any multiple of 32 values ...
+QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "BF16": 30}
+# ... and of a multiple of 256 (K types)
+K_QTYPES = {"Q4_K": 12, "Q6_K": 14}
+QTYPE_NAMES = {v: k for k, v in {**QTYPES, **K_QTYPES}.items()}
 
 
 def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
@@ -47,6 +51,10 @@ def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
         raw = values
     elif qtype == QTYPES["F16"]:
         raw = values.astype(np.float16)
+    elif qtype in K_QTYPES.values():
+        import libgguf
+
+        raw = libgguf.quantize_rows(values.reshape(-1, values.shape[-1]), qtype)
     else:
         raw = gguf_quantize(values, GGMLQuantizationType(qtype))
     raw = np.ascontiguousarray(raw).view(np.uint8)

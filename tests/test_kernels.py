@@ -502,6 +502,86 @@ def test_moe_fused_equals_per_slot_bitwise(device: str, qtype: int, with_gate: b
     assert torch.equal(x, down(act, fused))
 
 
+# ---- K types (256-value super-blocks) ----------------------------------------------------------------------
+
+K_QTYPE_PARAMS = [pytest.param(q, id=name) for name, q in ref.K_QTYPES.items()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", K_QTYPE_PARAMS)
+def test_k_types_embedding_is_gguf_dequantize_bitwise(device: str, qtype: int) -> None:
+    rng = np.random.default_rng(31)
+    vocab, dim = 19, 512
+    raw = ref.quantize(rng.standard_normal((vocab, dim)).astype(np.float32), qtype)
+    ids = [0, 18, 7, 7]
+    out = poisoned((len(ids), dim), device)
+    K.embedding(qtype, torch.from_numpy(raw).to(device), int32(ids, device), out, len(ids), vocab, dim)
+    assert np.array_equal(out.cpu().numpy().view(np.uint32), ref.dequantize(raw, qtype)[ids].view(np.uint32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", K_QTYPE_PARAMS)
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_k_types_matmul(device: str, qtype: int, n_tokens: int) -> None:
+    """Rows of 2 and 9 super-blocks (the CUDA dot takes a whole warp per super-block), two activation
+    alignments (vector loads or not): within float32 rounding of float64, the same bits either way."""
+    rng = np.random.default_rng(32 + n_tokens)
+    for rows, cols in ((40, 512), (9, 2304)):
+        raw, w64 = ref.make_weights(rng, (rows, cols), qtype)
+        w = raw.to(device)
+        x_store = randn(rng, (n_tokens * cols + 1,), device)
+        x = x_store[: n_tokens * cols].view(n_tokens, cols)
+        y = poisoned((n_tokens, rows), device)
+        K.matmul(qtype, w, x, None, y, n_tokens, rows, cols)
+        assert_written(y)
+        assert ref.rel_err(y, x.cpu().double() @ w64.T) < TOL_MATMUL
+        x_odd = x_store[1:].clone()[: n_tokens * cols]  # a copy 4 bytes off: other loads, the same values
+        x_store[1 : 1 + n_tokens * cols] = x.reshape(-1).clone()
+        y_odd = poisoned((n_tokens, rows), device)
+        K.matmul(qtype, w, x_store[1 : 1 + n_tokens * cols], None, y_odd, n_tokens, rows, cols)
+        assert torch.equal(y_odd, y), (rows, cols)
+        del x_odd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", K_QTYPE_PARAMS)
+def test_k_types_experts(device: str, qtype: int) -> None:
+    """Gate-up and down over K-type experts (hidden and FFN multiples of 256) against float64, and one launch
+    over all slots bitwise the per-slot launches."""
+    n_tokens, top_k, n_experts, ffn, hidden = 3, 2, 4, 256, 512
+    rng = np.random.default_rng(33)
+    (wg, wu, wd), (wg64, wu64, wd64) = moe_weights(rng, qtype, n_experts, ffn, hidden, device)
+    h = randn(rng, (n_tokens, hidden), device)
+    ids = distinct_ids(rng, n_tokens, top_k, n_experts, device)
+    weights = torch.rand(n_tokens, top_k).to(device)
+    act = poisoned((n_tokens, top_k, ffn), device)
+    K.moe_gate_up(qtype, wg, wu, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
+    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, ids, top_k)) < TOL_MATMUL
+    per_slot = poisoned((n_tokens, top_k, ffn), device)
+    for s in range(top_k):
+        K.moe_gate_up(qtype, wg, wu, h, ids, per_slot, n_tokens, top_k, s, 1, n_experts, ffn, hidden)
+    assert torch.equal(per_slot, act)
+    x0 = randn(rng, (n_tokens, hidden), device)
+    x = x0.clone()
+    K.moe_down_accumulate(qtype, wd, act, ids, weights, None, None, x, n_tokens, top_k, 0, top_k, n_experts,
+                          hidden, ffn)
+    x_ref = ref.moe_down_accumulate(wd64, act, ids, weights, None, None, x0, range(top_k))
+    assert ref.rel_err(x, x_ref) < TOL_MATMUL
+    x_slots = x0.clone()
+    for s in range(top_k):
+        K.moe_down_accumulate(qtype, wd, act, ids, weights, None, None, x_slots, n_tokens, top_k, s, 1,
+                              n_experts, hidden, ffn)
+    assert torch.equal(x_slots, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_k_types_reject_rows_that_are_not_whole_super_blocks(device: str) -> None:
+    w = torch.zeros(9 * 144, dtype=torch.uint8, device=device)
+    x, y = torch.zeros(1, 1408, device=device), torch.zeros(1, 1, device=device)
+    with pytest.raises(RuntimeError, match=r"'cols' = 1408 is not a multiple of the Q4_K block"):
+        K.matmul(ref.K_QTYPES["Q4_K"], w, x, None, y, 1, 1, 1408)
+
+
 # ---- argmax and sampling -----------------------------------------------------------------------------------
 
 
@@ -644,13 +724,13 @@ def test_unsupported_qtype_is_named(device: str) -> None:
         torch.zeros(1, 256, device=device),
         torch.zeros(1, 4, device=device),
     )
-    with pytest.raises(RuntimeError, match=r"qtype 12 \(GGML Q4_K\)"):
-        K.matmul(12, w, x, None, y, 1, 4, 256)
+    with pytest.raises(RuntimeError, match=r"qtype 13 \(GGML Q5_K\)"):
+        K.matmul(13, w, x, None, y, 1, 4, 256)
     act = torch.zeros(1, 1, 4, device=device)
     with pytest.raises(
-        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 6 \(GGML Q5_0\)"
+        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 7 \(GGML Q5_1\)"
     ):
-        K.moe_gate_up(6, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
+        K.moe_gate_up(7, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,6 +14,8 @@ import pytest
 
 from tornado_moe.errors import UnsupportedModelError
 from tornado_moe.quant.formats import (
+    FP16_FIELDS,
+    K_TYPES,
     QuantType,
     block_size,
     dequantize,
@@ -23,7 +25,7 @@ from tornado_moe.quant.formats import (
     type_size,
 )
 
-BLOCK_TYPES = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1]
+BLOCK_TYPES = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q4_K, QuantType.Q6_K]
 ALL_TYPES = list(QuantType)
 
 
@@ -50,28 +52,29 @@ def _random_blocks(qt: QuantType, n_blocks: int, rng: np.random.Generator, finit
     The first blocks get special finite scales (+-0, smallest subnormals, largest subnormal, +-max, +-1).
     """
     blocks = rng.integers(0, 256, size=(n_blocks, type_size(qt)), dtype=np.uint8)
-    n_f16 = 2 if qt == QuantType.Q4_1 else 1
-    for j in range(n_f16):
+    for off in FP16_FIELDS[qt]:
         bits = rng.integers(0, 1 << 16, size=n_blocks, dtype=np.uint32).astype(np.uint16)
         bits = np.where((bits & 0x7C00) == 0x7C00, bits & ~np.uint16(0x4000), bits)  # clear one exponent bit
         bits[: len(_SPECIAL_F16)] = _SPECIAL_F16
         if not finite:  # exponent all ones in every other block: +-inf or NaN with a random payload
             bits[1::2] |= np.uint16(0x7C00)
             bits[1:8:2] &= np.uint16(0xFC00)  # a few exact infinities
-        blocks[:, 2 * j : 2 * j + 2] = bits.astype("<u2").view(np.uint8).reshape(n_blocks, 2)
+        blocks[:, off : off + 2] = bits.astype("<u2").view(np.uint8).reshape(n_blocks, 2)
     return blocks
 
 
 def test_sizes() -> None:
-    assert [block_size(t) for t in ALL_TYPES] == [1, 1, 32, 32, 32, 1]
-    assert [type_size(t) for t in ALL_TYPES] == [4, 2, 18, 20, 34, 2]
+    assert [block_size(t) for t in ALL_TYPES] == [1, 1, 32, 32, 32, 32, 256, 256, 1]
+    assert [type_size(t) for t in ALL_TYPES] == [4, 2, 18, 20, 22, 34, 144, 210, 2]
     for t in ALL_TYPES:  # agrees with gguf's table
         assert (block_size(t), type_size(t)) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))]
     assert row_bytes(QuantType.Q8_0, 2048) == 64 * 34
     assert row_bytes(QuantType.F16, 7) == 14
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         row_bytes(QuantType.Q4_0, 48)
-    assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 8, 30]  # GGML type ids
+    assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 6, 8, 12, 14, 30]  # GGML type ids
+    with pytest.raises(ValueError, match="multiple of the block size 256"):
+        row_bytes(QuantType.Q4_K, 1408)  # Qwen1.5-MoE's expert rows: llama.cpp stores those in another type
 
 
 def test_quant_type_of() -> None:
@@ -90,25 +93,28 @@ def test_block_dequantize_bitwise_equals_gguf(qt: QuantType) -> None:
         blocks = _random_blocks(qt, rows * blocks_per_row, rng, finite)
         raw = blocks.reshape(rows, blocks_per_row * type_size(qt))
         with np.errstate(invalid="ignore"):  # inf * 0 -> NaN is part of what is compared
-            mine = dequantize(raw, qt, (rows, blocks_per_row * 32))
+            mine = dequantize(raw, qt, (rows, blocks_per_row * block_size(qt)))
             ref = _gguf_deq(raw, qt)
         assert _same_bits(mine, ref)
-        if not finite:
-            assert np.isnan(mine).any() and np.isinf(mine).any() and np.isfinite(mine).any()
+        if not finite:  # (Q4_K's infinite d and dmin give inf - inf: NaN only)
+            assert np.isnan(mine).any() and np.isfinite(mine).any()
+            assert np.isinf(mine).any() or qt == QuantType.Q4_K
     # The scale values we drew do cover negative, zero and subnormal fp16 numbers.
-    d = np.ascontiguousarray(blocks[:, :2]).view("<f2").ravel()
+    off = FP16_FIELDS[qt][0]
+    d = np.ascontiguousarray(blocks[:, off : off + 2]).view("<f2").ravel()
     assert (d < 0).any() and (d == 0).any() and ((np.abs(d) < 6.1e-5) & (d != 0)).any()
 
 
 @pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantize_accepts_flat_and_3d(qt: QuantType) -> None:
     rng = np.random.default_rng(5)
-    shape = (3, 4, 64)  # e.g. [E, I, H]
-    raw = _random_blocks(qt, 3 * 4 * 2, rng, True).reshape(12, row_bytes(qt, 64))
+    cols = 2 * block_size(qt)
+    shape = (3, 4, cols)  # e.g. [E, I, H]
+    raw = _random_blocks(qt, 3 * 4 * 2, rng, True).reshape(12, row_bytes(qt, cols))
     a = dequantize(raw, qt, shape)
     b = dequantize(raw.reshape(-1), qt, shape)
     assert a.shape == shape and _same_bits(a, b)
-    assert _same_bits(a.reshape(12, 64), _gguf_deq(raw, qt))
+    assert _same_bits(a.reshape(12, cols), _gguf_deq(raw, qt))
     with pytest.raises(ValueError, match="needs"):
         dequantize(raw[:-1], qt, shape)
 
@@ -128,6 +134,41 @@ def test_hand_built_blocks() -> None:
     np.testing.assert_array_equal(dequantize(q41, QuantType.Q4_1, (32,)), codes * 0.5 - 3.0)
     q8 = np.concatenate([d, (np.arange(32) - 16).astype(np.int8).view(np.uint8)])
     np.testing.assert_array_equal(dequantize(q8, QuantType.Q8_0, (32,)), (np.arange(32) - 16) * 0.5)
+    # Q5_0: the fifth bit of value j is bit j of the uint32 after d
+    fifth = np.uint32(0xA5A5F00F)
+    q50 = np.concatenate([d, np.array([fifth], dtype="<u4").view(np.uint8), packed])
+    q5 = codes + 16 * ((fifth >> np.arange(32, dtype=np.uint32)) & 1)
+    np.testing.assert_array_equal(dequantize(q50, QuantType.Q5_0, (32,)), (q5.astype(np.float32) - 16) * 0.5)
+
+
+def test_hand_built_k_blocks() -> None:
+    """Q4_K's packed 6-bit scales and mins and its nibble order; Q6_K's value layout."""
+    sc = np.array([1, 2, 3, 63, 5, 40, 7, 33])  # 6 bits each; sub-blocks 4..7 split as low 4 + top 2 bits
+    mins = np.array([0, 9, 17, 62, 4, 21, 60, 1])
+    s = np.zeros(12, dtype=np.uint8)
+    s[0:4] = sc[0:4] | ((sc[4:8] >> 4) << 6)
+    s[4:8] = mins[0:4] | ((mins[4:8] >> 4) << 6)
+    s[8:12] = (sc[4:8] & 0xF) | ((mins[4:8] & 0xF) << 4)
+    q = np.arange(256) * 7 % 16  # value v's code
+    qs = np.zeros(128, dtype=np.uint8)
+    for v in range(256):
+        qs[32 * (v // 64) + v % 32] |= q[v] << (4 * ((v // 32) % 2))
+    d, dmin = np.array([0.25, 0.5], dtype="<f2")
+    blk = np.concatenate([np.array([d, dmin], dtype="<f2").view(np.uint8), s, qs])
+    j = np.arange(256) // 32
+    expected = np.float32(d) * sc[j].astype(np.float32) * q - np.float32(dmin) * mins[j].astype(np.float32)
+    np.testing.assert_array_equal(dequantize(blk, QuantType.Q4_K, (256,)), expected)
+
+    q6 = np.arange(256) * 5 % 64  # value v's code q (stored), value (q - 32) * d * scale
+    ql, qh = np.zeros(128, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    for v in range(256):
+        h, k, lane = v // 128, v % 128 // 32, v % 32
+        ql[64 * h + 32 * (k % 2) + lane] |= (q6[v] & 0xF) << (4 * (k // 2))
+        qh[32 * h + lane] |= (q6[v] >> 4) << (2 * k)
+    scales = (np.arange(16) * 9 - 70).astype(np.int8)
+    blk6 = np.concatenate([ql, qh, scales.view(np.uint8), np.array([0.125], dtype="<f2").view(np.uint8)])
+    expected6 = np.float32(0.125) * scales[np.arange(256) // 16].astype(np.float32) * (q6 - 32)
+    np.testing.assert_array_equal(dequantize(blk6, QuantType.Q6_K, (256,)), expected6)
 
 
 def test_f16_bf16_all_bit_patterns() -> None:
@@ -151,10 +192,14 @@ def test_f32_bit_patterns() -> None:
 @pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda t: t.name)
 def test_quantize_matches_gguf_and_round_trips(qt: QuantType) -> None:
     rng = np.random.default_rng(7)
-    x = (rng.standard_normal((8, 128)) * rng.uniform(0.01, 3, size=(8, 1))).astype(np.float32)
+    x = (rng.standard_normal((8, 512)) * rng.uniform(0.01, 3, size=(8, 1))).astype(np.float32)
     raw = quantize(x, qt)
-    assert raw.dtype == np.uint8 and raw.shape == (8, row_bytes(qt, 128)) and raw.flags.c_contiguous
-    if qt in BLOCK_TYPES or qt == QuantType.BF16:
+    assert raw.dtype == np.uint8 and raw.shape == (8, row_bytes(qt, 512)) and raw.flags.c_contiguous
+    if qt in K_TYPES:
+        import libgguf
+
+        np.testing.assert_array_equal(raw, libgguf.quantize_rows(x, int(qt)))
+    elif qt in BLOCK_TYPES or qt == QuantType.BF16:
         ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qt)))
         np.testing.assert_array_equal(raw, ref)
     elif qt == QuantType.F16:
@@ -172,6 +217,9 @@ def test_quantize_matches_gguf_and_round_trips(qt: QuantType) -> None:
         QuantType.Q8_0: 0.5 / 127 + 1e-3,
         QuantType.Q4_0: 1 / 8 + 1e-3,
         QuantType.Q4_1: 2 / 15 + 1e-3,
+        QuantType.Q5_0: 1 / 16 + 1e-3,
+        QuantType.Q4_K: 0.1,  # 4-bit codes, a 6-bit scale and min per 32 values
+        QuantType.Q6_K: 1 / 32,
     }[qt]
     assert (err <= bound * amax + 1e-30).all()
 

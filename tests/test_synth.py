@@ -187,6 +187,32 @@ def test_quant_type_and_shape_overrides(tmp_path: Path, qtype: QuantType) -> Non
         assert np.abs(ratio).max() == 7
 
 
+@pytest.mark.parametrize("qtype", [QuantType.Q5_0, QuantType.Q4_K, QuantType.Q6_K], ids=lambda q: q.name)
+def test_k_type_models_fall_back_as_llama_cpp_and_are_well_scaled(tmp_path: Path, qtype: QuantType) -> None:
+    """A K-type model stores the matrices whose rows are not whole super-blocks in llama.cpp's fallback type
+    (the tiny preset's expert down rows of 128 values; Qwen1.5-MoE's of 1408); every weight is finite, never
+    zero, symmetric and near 1/sqrt(fan-in) in RMS."""
+    from tornado_moe.synth.random_model import K_FALLBACK
+
+    spec = PRESETS["tiny"].with_overrides(n_layers=1, qtype=qtype)
+    path = write_random_model(tmp_path / "m.gguf", spec, progress=False)
+    types = {t.name: QuantType(int(t.tensor_type)) for t in gguf.GGUFReader(path).tensors}
+    for p in plan_tensors(spec):
+        assert types[p.name] == p.qtype, p.name
+        if p.init != "weight":
+            continue
+        whole = p.shape[-1] % 256 == 0
+        assert p.qtype == (qtype if whole or qtype not in K_FALLBACK else K_FALLBACK[qtype]), p.name
+        v = _gguf_values(path, p.name)
+        assert np.all(np.isfinite(v)) and np.all(v != 0), p.name
+        rms = math.sqrt(float(np.mean(v * v)))
+        assert 0.5 / math.sqrt(p.shape[-1]) < rms < 2.0 / math.sqrt(p.shape[-1]), (p.name, rms)
+        assert abs(float(v.mean())) < 0.1 * rms, p.name
+    qwen = {p.name: p.qtype for p in plan_tensors(PRESETS["qwen1.5-moe-a2.7b"].with_overrides(qtype=qtype))}
+    assert qwen["blk.0.ffn_down_exps.weight"] == K_FALLBACK.get(qtype, qtype)  # rows of 1408
+    assert qwen["blk.0.ffn_gate_exps.weight"] == qwen["blk.0.ffn_down_shexp.weight"] == qtype
+
+
 def test_bad_specs_are_refused_naming_the_field() -> None:
     from tornado_moe.errors import InputError
 

@@ -1,8 +1,9 @@
 /*
- * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q8_0) into float32 for the CPU
- * kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact;
- * Q8_0 q*d, Q4_0 (q-8)*d, Q4_1 q*d + m, each a rounded float32 product then a rounded add), so a decoded row is
- * bitwise equal to gguf.quants.dequantize of the same bytes.
+ * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) into
+ * float32 for the CPU kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced exactly as
+ * gguf's reference dequantizer does (fp16/bf16 widening is exact; Q8_0 q*d, Q4_0 (q-8)*d, Q5_0 (q-16)*d, Q4_1
+ * q*d + m, Q4_K (d*sc)*q - dmin*m, Q6_K (d*scale)*(q-32), each operation a rounded float32 one), so a decoded row
+ * is bitwise equal to gguf.quants.dequantize of the same bytes.
  */
 #ifndef TORNADO_MOE_CPU_QUANT_BLOCKS_H
 #define TORNADO_MOE_CPU_QUANT_BLOCKS_H
@@ -70,6 +71,31 @@ inline void decode_q4_1_block(const uint8_t* blk, float* out) {
   for (int i = 0; i < 16; ++i) out[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
 }
 
+inline void decode_q5_0_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tm_q5_0_code(blk, i)) * d;
+}
+
+inline void decode_q4_k_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  const float dmin = fp16_to_f32(load_u16(blk + 2));
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    tm_q4_k_scale_min(blk + 4, j, &sc, &m);
+    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+    for (int i = 32 * j; i < 32 * j + 32; ++i) out[i] = dl * static_cast<float>(tm_q4_k_code(blk + 16, i)) - ml;
+  }
+}
+
+inline void decode_q6_k_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk + 208));
+  const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+  for (int s = 0; s < 16; ++s) {
+    const float ds = d * static_cast<float>(scales[s]);
+    for (int i = 16 * s; i < 16 * s + 16; ++i) out[i] = ds * static_cast<float>(tm_q6_k_code(blk, i));
+  }
+}
+
 // Decodes the first `n` values of a row (n a multiple of the block size; qtype supported) into out[0, n); for
 // TM_Q8_0_TILED, whose layout depends on the row length, n must be the whole row.
 inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
@@ -91,6 +117,15 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
       break;
     case TM_Q4_1:
       for (int64_t b = 0; b < n / 32; ++b) decode_q4_1_block(row + 20 * b, out + 32 * b);
+      break;
+    case TM_Q5_0:
+      for (int64_t b = 0; b < n / 32; ++b) decode_q5_0_block(row + 22 * b, out + 32 * b);
+      break;
+    case TM_Q4_K:
+      for (int64_t b = 0; b < n / 256; ++b) decode_q4_k_block(row + 144 * b, out + 256 * b);
+      break;
+    case TM_Q6_K:
+      for (int64_t b = 0; b < n / 256; ++b) decode_q6_k_block(row + 210 * b, out + 256 * b);
       break;
     case TM_Q8_0_TILED:  // the Q8_0 values at their tiled places (qtypes.h); n is the whole row
       for (int64_t b = 0; b < n / 32; ++b) {

@@ -5,12 +5,14 @@
  * the same bits whichever kernel variant, tile shape or launch chunking asked for it.
  *
  * Lane layout and reduction order (fixed per weight format and row length, never by the launch):
- *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1; 4 values for the F16x4/BF16x4/F32x4 layouts
- *   used when the row length is a multiple of 4; 1 value otherwise). kLanes lanes share a block (part = lane %
- *   kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s, lane l handles block
- *   s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row, token) and adds its blocks
- *   in increasing step order (Q8_0/Q4_0: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain;
- *   Q4_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); plain: an fma per value). The 32 lane accumulators
+ *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1/Q5_0, 256 for Q4_K/Q6_K; 4 values for the
+ *   F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value otherwise). kLanes lanes share
+ *   a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s, lane l handles
+ *   block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row, token) and adds its
+ *   blocks in increasing step order (Q8_0/Q4_0/Q5_0: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma
+ *   chain; Q4_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q4_K: per sub-block of the lane, in order,
+ *   fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q6_K: per sub-block of the lane, in order,
+ *   fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators
  *   are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics, so the
  *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
  *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
@@ -34,7 +36,7 @@ namespace tm_cuda {
 // The row layouts of the dot product (see above). X4 layouts are chosen by the row length alone.
 // Q8_0T / Q8_0T16 are TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout with
 // 8-byte code loads, or 16-byte ones when every row is 16-byte aligned (rows of a multiple of 256 values).
-enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, F16, F16X4, BF16, BF16X4, F32, F32X4 };
 constexpr bool fmt_tiled(Fmt f) { return f == Fmt::Q8_0T || f == Fmt::Q8_0T16; }
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
@@ -181,6 +183,166 @@ struct FmtTraits<Fmt::Q4_1> {
     sx = __fadd_rn(sx, x.hi.w);
     acc = __fmaf_rn(fp16_bits_to_f32(f.dm & 0xFFFFu), s, acc);
     return __fmaf_rn(fp16_bits_to_f32(f.dm >> 16), sx, acc);
+  }
+};
+
+// Q5_0: 22-byte blocks (fp16 d, the 32 fifth bits as a little-endian uint32, 16 bytes of nibbles as Q4_0);
+// v = (q - 16) * d. Lanes as Q4_0's; a lane's 8 fifth bits (values 4p..4p+3, then 16+4p..16+4p+3) ride in the
+// upper half of the d word.
+template <>
+struct FmtTraits<Fmt::Q5_0> {
+  static constexpr int kVals = 32, kBytes = 22, kLanes = 4, kLoadRegs = 4;
+  struct Frag {
+    uint32_t q, dh;
+  };
+  using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    const uint32_t qh = ldg_u16(blk + 2) | (ldg_u16(blk + 4) << 16);
+    const uint32_t bits = ((qh >> (4 * part)) & 0xFu) | (((qh >> (16 + 4 * part)) & 0xFu) << 4);
+    return Frag{ldg_u16(blk + 6 + 4 * part) | (ldg_u16(blk + 8 + 4 * part) << 16), ldg_u16(blk) | (bits << 16)};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    return FmtTraits<Fmt::Q4_0>::loadx<V>(xb, part);
+  }
+  // 4 bits -> bit 4 of each of 4 bytes
+  __device__ __forceinline__ static uint32_t fifth_bits(uint32_t b) {
+    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const uint32_t bits = f.dh >> 16;
+    const uint32_t lo = (f.q & 0x0F0F0F0Fu) | fifth_bits(bits & 0xFu);
+    const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | fifth_bits(bits >> 4);
+    constexpr float kBias = 8388624.0f;  // 2^23 + 16: q - 16
+    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
+    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    return __fmaf_rn(fp16_bits_to_f32(f.dh & 0xFFFFu), s, acc);
+  }
+};
+
+// Sum of 4 codes (bytes of w, each 2^23 + code - bias after biased_byte) times 4 activations, an fma chain.
+__device__ __forceinline__ float dot4_codes(uint32_t w, float bias, const float4& x) {
+  float s = __fmul_rn(__fsub_rn(biased_byte(w, 0), bias), x.x);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 1), bias), x.y, s);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 2), bias), x.z, s);
+  return __fmaf_rn(__fsub_rn(biased_byte(w, 3), bias), x.w, s);
+}
+
+// Q4_K: 144-byte blocks of 256 values (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+// nibbles); 32 lanes per block. Lane p takes chunk c = p / 8 (qs bytes 32c..32c+31) at bytes 4(p % 8)..+3: their
+// low nibbles are values 4(p % 8).. of sub-block 2c, their high nibbles the same of sub-block 2c + 1. v =
+// (d*sc)*q - dmin*m, so a sub-block contributes (d*sc) * sum(q x) - (dmin*m) * sum(x). The scales and mins of
+// the lane's two sub-blocks are unpacked at load (tm_q4_k_scale_min's bits) into one word: sc0, sc1, m0, m1.
+template <>
+struct FmtTraits<Fmt::Q4_K> {
+  static constexpr int kVals = 256, kBytes = 144, kLanes = 32, kLoadRegs = 6;
+  struct Frag {
+    uint32_t q, dm, scm;
+  };
+  using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    const int c = part >> 3;
+    const uint8_t* s = blk + 4;
+    // bytes 2c, 2c+1 (j < 4: the scales; j >= 4: their top bits are the mins' top bits), 2c+4, 2c+5, and for
+    // c >= 2 bytes 2c-4, 2c-3 (their top bits are the scales' top bits)
+    const uint32_t b = ldg_u16(s + 2 * c), e = ldg_u16(s + 2 * c + 4);
+    uint32_t scm;
+    if (c < 2) {
+      scm = (b & 0x3F3Fu) | ((e & 0x3F3Fu) << 16);
+    } else {
+      const uint32_t a = ldg_u16(s + 2 * c - 4);
+      const uint32_t sc = (e & 0x0F0Fu) | ((a >> 2) & 0x3030u);
+      const uint32_t m = ((e >> 4) & 0x0F0Fu) | ((b >> 2) & 0x3030u);
+      scm = sc | (m << 16);
+    }
+    const uint8_t* q = blk + 16 + 32 * c + 4 * (part & 7);
+    return Frag{ldg_u16(q) | (ldg_u16(q + 2) << 16), ldg_u16(blk) | (ldg_u16(blk + 2) << 16), scm};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    const float* p = xb + 64 * (part >> 3) + 4 * (part & 7);
+    return XFrag{ld_x4<V>(p), ld_x4<V>(p + 32)};
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    constexpr float kBias = 8388608.0f;  // 2^23: q
+    const float s0 = dot4_codes(f.q & 0x0F0F0F0Fu, kBias, x.lo);
+    const float s1 = dot4_codes((f.q >> 4) & 0x0F0F0F0Fu, kBias, x.hi);
+    const float x0 = __fadd_rn(__fadd_rn(__fadd_rn(x.lo.x, x.lo.y), x.lo.z), x.lo.w);
+    const float x1 = __fadd_rn(__fadd_rn(__fadd_rn(x.hi.x, x.hi.y), x.hi.z), x.hi.w);
+    const float d = fp16_bits_to_f32(f.dm & 0xFFFFu), dmin = fp16_bits_to_f32(f.dm >> 16);
+    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(f.scm & 0xFFu)), s0, acc);
+    acc = __fmaf_rn(-__fmul_rn(dmin, static_cast<float>((f.scm >> 16) & 0xFFu)), x0, acc);
+    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>((f.scm >> 8) & 0xFFu)), s1, acc);
+    return __fmaf_rn(-__fmul_rn(dmin, static_cast<float>(f.scm >> 24)), x1, acc);
+  }
+};
+
+// Q6_K: 210-byte blocks of 256 values (128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; tm_q6_k_code's value
+// layout); 32 lanes per block. Lane p takes half h = p / 16 and l = 2(p % 16), 2(p % 16) + 1: the values
+// 128h + 32k + l for k = 0..3 (ql words at 64h + l and 64h + 32 + l, the qh word at 128 + 32h + l), whose
+// sub-blocks 8h + 2k + (p % 16 >= 8) have one scale each; a sub-block contributes (d*scale) * sum((q-32) x).
+template <>
+struct FmtTraits<Fmt::Q6_K> {
+  static constexpr int kVals = 256, kBytes = 210, kLanes = 32, kLoadRegs = 8;
+  struct Frag {
+    uint32_t q, hd, sc;  // ql (k = 0, 1 low bytes; nibbles), qh word | d << 16, the four int8 scales
+  };
+  struct XFrag {
+    float4 a, b;  // x at values (k = 0: l, l+1; k = 1: l, l+1) and (k = 2, 3)
+  };
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    const int h = part >> 4, l = 2 * (part & 15);
+    const uint8_t* s = blk + 192 + 8 * h;
+    const int hi_byte = (part & 15) >= 8 ? 8 : 0;
+    uint32_t sc = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sc |= ((ldg_u16(s + 2 * k) >> hi_byte) & 0xFFu) << (8 * k);
+    return Frag{ldg_u16(blk + 64 * h + l) | (ldg_u16(blk + 64 * h + 32 + l) << 16),
+                ldg_u16(blk + 128 + 32 * h + l) | (ldg_u16(blk + 208) << 16), sc};
+  }
+  template <bool V>
+  __device__ __forceinline__ static float2 ld_x2(const float* p) {
+    if constexpr (V) {
+      return *reinterpret_cast<const float2*>(p);
+    } else {
+      return make_float2(p[0], p[1]);
+    }
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    const float* p = xb + 128 * (part >> 4) + 2 * (part & 15);
+    const float2 x0 = ld_x2<V>(p), x1 = ld_x2<V>(p + 32), x2 = ld_x2<V>(p + 64), x3 = ld_x2<V>(p + 96);
+    return XFrag{make_float4(x0.x, x0.y, x1.x, x1.y), make_float4(x2.x, x2.y, x3.x, x3.y)};
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const uint32_t qh = f.hd & 0xFFFFu;
+    // bytes (k, l), (k, l+1), (k+1, l), (k+1, l+1): low 4 bits from ql, bits 4-5 from qh
+    const uint32_t w01 = (f.q & 0x0F0F0F0Fu) | (((qh & 0x0303u) | (((qh >> 2) & 0x0303u) << 16)) << 4);
+    const uint32_t w23 = ((f.q >> 4) & 0x0F0F0F0Fu) | ((((qh >> 4) & 0x0303u) | (((qh >> 6) & 0x0303u) << 16)) << 4);
+    constexpr float kBias = 8388640.0f;  // 2^23 + 32: q - 32
+    const float d = fp16_bits_to_f32(f.hd >> 16);
+    const float s0 = __fmaf_rn(__fsub_rn(biased_byte(w01, 1), kBias), x.a.y,
+                               __fmul_rn(__fsub_rn(biased_byte(w01, 0), kBias), x.a.x));
+    const float s1 = __fmaf_rn(__fsub_rn(biased_byte(w01, 3), kBias), x.a.w,
+                               __fmul_rn(__fsub_rn(biased_byte(w01, 2), kBias), x.a.z));
+    const float s2 = __fmaf_rn(__fsub_rn(biased_byte(w23, 1), kBias), x.b.y,
+                               __fmul_rn(__fsub_rn(biased_byte(w23, 0), kBias), x.b.x));
+    const float s3 = __fmaf_rn(__fsub_rn(biased_byte(w23, 3), kBias), x.b.w,
+                               __fmul_rn(__fsub_rn(biased_byte(w23, 2), kBias), x.b.z));
+    const uint32_t sc = f.sc;
+    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>(sc & 0xFFu))), s0, acc);
+    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>((sc >> 8) & 0xFFu))), s1, acc);
+    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>((sc >> 16) & 0xFFu))), s2, acc);
+    return __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>(sc >> 24))), s3, acc);
   }
 };
 
@@ -603,6 +765,9 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
     case TM_Q8_0_TILED: return cols % 256 == 0 ? Fmt::Q8_0T16 : Fmt::Q8_0T;
     case TM_Q4_0: return Fmt::Q4_0;
     case TM_Q4_1: return Fmt::Q4_1;
+    case TM_Q5_0: return Fmt::Q5_0;
+    case TM_Q4_K: return Fmt::Q4_K;
+    case TM_Q6_K: return Fmt::Q6_K;
     case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
     case TM_BF16: return quad ? Fmt::BF16X4 : Fmt::BF16;
     default: return quad ? Fmt::F32X4 : Fmt::F32;
@@ -612,7 +777,8 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
 // Values per block of a layout (the row length in blocks is cols / fmt_vals).
 inline int64_t fmt_vals(Fmt f) {
   switch (f) {
-    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: return 32;
+    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: case Fmt::Q5_0: return 32;
+    case Fmt::Q4_K: case Fmt::Q6_K: return 256;
     case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
     default: return 1;
   }
@@ -645,6 +811,9 @@ inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
       return v ? fn(FmtTag<Fmt::Q8_0T16>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T16>{}, std::false_type{});
     case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
     case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
+    case Fmt::Q5_0: return v ? fn(FmtTag<Fmt::Q5_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_0>{}, std::false_type{});
+    case Fmt::Q4_K: return v ? fn(FmtTag<Fmt::Q4_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_K>{}, std::false_type{});
+    case Fmt::Q6_K: return v ? fn(FmtTag<Fmt::Q6_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q6_K>{}, std::false_type{});
     case Fmt::F16X4:
       return v ? fn(FmtTag<Fmt::F16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F16X4>{}, std::false_type{});
     case Fmt::BF16X4:

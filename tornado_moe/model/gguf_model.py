@@ -506,8 +506,9 @@ def load_model(path: str | os.PathLike[str]) -> GGUFModel:
     """Open ``path`` (memory-mapped), validate it and return a :class:`GGUFModel`.
 
     Supported: ``qwen2moe`` (routed + shared experts) and ``llama``, dense or with experts stored as
-    Mixtral GGUFs do (3-D ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1; norms,
-    biases and router weights must be F32.
+    Mixtral GGUFs do (3-D ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q4_K, Q6_K (any mix, per tensor, as llama.cpp's K-quant files have); norms, biases and router weights
+    must be F32.
     """
     p = Path(path)
     _check_magic(p)

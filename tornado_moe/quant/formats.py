@@ -8,10 +8,20 @@ Layouts (little endian, one block covers ``block_size`` consecutive values of a 
   HIGH nibble of byte j is value j + 16; value = (q - 8) * d.
 - Q4_1 (20 bytes): fp16 scale ``d``, fp16 minimum ``m``, then 16 bytes of nibbles as in Q4_0;
   value = q * d + m (two float32 roundings: product first, then the sum).
+- Q5_0 (22 bytes): fp16 scale ``d``, a little-endian uint32 whose bit j is the fifth bit of value j, then 16
+  bytes of nibbles as in Q4_0; value = (q - 16) * d.
+- Q4_K (144 bytes, 256 values in 8 sub-blocks of 32): fp16 ``d``, fp16 ``dmin``, 12 bytes packing a 6-bit
+  scale ``sc[j]`` and minimum ``m[j]`` per sub-block, then 128 bytes of nibbles (bytes 32c..32c+31: low
+  nibbles are sub-block 2c, high nibbles 2c + 1); value = (d * sc[j]) * q - dmin * m[j], each operation
+  rounded.
+- Q6_K (210 bytes, 256 values in 16 sub-blocks of 16): 128 bytes of low nibbles, 64 bytes of 2-bit high parts,
+  16 int8 scales, fp16 ``d``; value = (d * scale[s]) * (q - 32). Value 128h + 32k + l (h < 2, k < 4, l < 32)
+  takes nibble k // 2 of low byte 64h + 32(k % 2) + l and bits 2k, 2k + 1 of high byte 32h + l.
 
 ``dequantize`` is written here, independently of ``gguf.quants``, because it is the oracle the kernels
 are checked against; the tests prove it is bit-identical to ``gguf.quants.dequantize``. ``quantize`` uses
-``gguf.quants.quantize`` for the block types, so files we write quantize exactly as llama.cpp's converter.
+``gguf.quants.quantize`` for the 32-value block types and ``libgguf`` (llama.cpp's reference quantizers) for
+the K types, so files we write quantize exactly as llama.cpp's tools.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ __all__ = [
     "FLOAT_TYPES",
     "FP16_FIELDS",
     "CODES_OFFSET",
+    "K_TYPES",
 ]
 
 
@@ -44,7 +55,10 @@ class QuantType(enum.IntEnum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
     Q8_0 = 8
+    Q4_K = 12
+    Q6_K = 14
     BF16 = 30
 
 
@@ -58,17 +72,27 @@ _SIZES: dict[QuantType, tuple[int, int]] = {
     QuantType.Q8_0: (32, 34),
     QuantType.Q4_0: (32, 18),
     QuantType.Q4_1: (32, 20),
+    QuantType.Q5_0: (32, 22),
+    QuantType.Q4_K: (256, 144),
+    QuantType.Q6_K: (256, 210),
 }
+#: the K types: 256-value super-blocks, quantized by libgguf
+K_TYPES: frozenset[QuantType] = frozenset({QuantType.Q4_K, QuantType.Q6_K})
 
 
-# Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m) and of its codes:
-# the one description of the block layouts that the decoder and the model writers share.
+# Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m, Q4_K's dmin) and of
+# its nibbles or int8 codes: the one description of the block layouts that the decoder and the model writers
+# share.
 FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q8_0: (0,),
     QuantType.Q4_0: (0,),
     QuantType.Q4_1: (0, 2),
+    QuantType.Q5_0: (0,),
+    QuantType.Q4_K: (0, 2),
+    QuantType.Q6_K: (208,),
 }
-CODES_OFFSET: dict[QuantType, int] = {QuantType.Q8_0: 2, QuantType.Q4_0: 2, QuantType.Q4_1: 4}
+CODES_OFFSET: dict[QuantType, int] = {QuantType.Q8_0: 2, QuantType.Q4_0: 2, QuantType.Q4_1: 4,
+                                      QuantType.Q5_0: 6, QuantType.Q4_K: 16, QuantType.Q6_K: 0}
 
 
 def block_size(qt: QuantType) -> int:
@@ -156,7 +180,9 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
         blocks = data.reshape(-1, ts)
         d = _fp16_column(blocks, FP16_FIELDS[qtype][0])
         codes = blocks[:, CODES_OFFSET[qtype]:]
-        if qtype == QuantType.Q8_0:
+        if qtype in K_TYPES:
+            out = _dequantize_k(blocks, qtype, d)
+        elif qtype == QuantType.Q8_0:
             q = codes.view(np.int8).astype(np.float32)
             out = q * d
         elif qtype == QuantType.Q4_0:
@@ -166,16 +192,43 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
             m = _fp16_column(blocks, FP16_FIELDS[qtype][1])
             q = _nibbles(codes).astype(np.float32)
             out = q * d + m
+        elif qtype == QuantType.Q5_0:
+            high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [n, 1]: bit j = value j's fifth bit
+            fifth = ((high >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+            q = ((_nibbles(codes) | (fifth << np.uint8(4))).astype(np.int8) - np.int8(16)).astype(np.float32)
+            out = q * d
         else:  # pragma: no cover - every QuantType is handled above
             raise AssertionError(qtype)
     return out.reshape(shape)
 
 
+def _dequantize_k(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> np.ndarray:
+    """Q4_K / Q6_K blocks [n, bytes] to values [n, 256] (layouts in the module docstring)."""
+    n = blocks.shape[0]
+    if qtype == QuantType.Q4_K:
+        dmin = _fp16_column(blocks, FP16_FIELDS[qtype][1])
+        s = blocks[:, 4:16].astype(np.int32)
+        lo, hi = s[:, 0:4], s[:, 8:12]  # scales' and mins' low bits of sub-blocks 4..7 live in bytes 8..11
+        sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=1)
+        m = np.concatenate([s[:, 4:8] & 63, (hi >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+        qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+        dl = (d * sc.astype(np.float32))[:, :, None]
+        ml = (dmin * m.astype(np.float32))[:, :, None]
+        return (dl * q.astype(np.float32) - ml).reshape(n, 256)
+    ql = blocks[:, :128].reshape(n, 2, 1, 2, 32)  # [block, h, nibble, k % 2, l]
+    low = np.concatenate([ql & np.uint8(0x0F), ql >> np.uint8(4)], axis=2).reshape(n, 2, 4, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    q = ((low | ((qh & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16)
+    ds = d * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return (ds[:, :, None] * q.astype(np.float32)).reshape(n, 256)
+
+
 def quantize(values: np.ndarray, qtype: QuantType) -> np.ndarray:
     """Encode float values [..., cols] as GGML ``qtype`` bytes [..., row_bytes] (uint8, C-contiguous).
 
-    Block types go through ``gguf.quants.quantize`` (llama.cpp's reference rounding); float types are
-    converted directly (F16 and BF16 round to nearest even).
+    32-value block types go through ``gguf.quants.quantize`` and the K types through ``libgguf`` (llama.cpp's
+    reference rounding); float types are converted directly (F16 and BF16 round to nearest even).
     """
     import gguf
 
@@ -188,6 +241,10 @@ def quantize(values: np.ndarray, qtype: QuantType) -> np.ndarray:
         out = values.view(np.uint8)
     elif qtype == QuantType.F16:
         out = values.astype("<f2").view(np.uint8)
+    elif qtype in K_TYPES:
+        import libgguf
+
+        out = libgguf.quantize_rows(values.reshape(-1, values.shape[-1]), int(qtype))
     else:
         out = np.asarray(gguf.quants.quantize(values, gguf.GGMLQuantizationType(int(qtype))), dtype=np.uint8)
     return np.ascontiguousarray(out).reshape(*values.shape[:-1], rb)

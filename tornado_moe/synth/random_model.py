@@ -8,8 +8,13 @@ Speed matters (the full model is ~15 GB and must be written in about a minute), 
 never produced by quantizing floats. Random bits are drawn straight into the block layout and two cheap bit
 operations make them valid and well-scaled:
 
-- codes: OR-ing 1 into every int8 code (Q8_0) or 0x11 into every nibble pair (Q4_0/Q4_1) makes them odd, so
-  the decoded values are symmetric around 0 and never zero (Q8_0: -127..127, Q4: (q-8) in -7..7).
+- codes: OR-ing 1 into every int8 code (Q8_0) or 0x11 into every nibble pair (Q4_0/Q4_1/Q5_0/Q4_K, Q6_K's low
+  nibbles) makes them odd, so the decoded values are symmetric around 0 and never zero (Q8_0: -127..127, Q4:
+  (q-8) in -7..7, Q5_0: (q-16) in -15..15, Q6_K: (q-32) in -31..31).
+- K types: Q4_K's mins equal its scales (odd 6-bit values) and dmin = 8 d, so a value is d*sc*(q-8) exactly;
+  Q6_K's int8 scales are odd, in [1, 15]. A K-type model stores the matrices whose rows are not whole
+  256-value super-blocks as llama.cpp does (Q4_K -> Q5_0, Q6_K -> Q8_0): Qwen1.5-MoE's expert down rows of
+  1408, say.
 - scales: the fp16 ``d`` keeps 10 random mantissa bits under a fixed exponent, i.e. ``d`` is uniform in
   [2^k, 2^(k+1)), with k chosen so the weights' RMS is about 1/sqrt(fan-in) (0.022 at hidden 2048), which
   keeps activations near unit scale through the layers. Q4_1's ``m`` is exactly ``-8 d`` (exponent + 3, sign
@@ -48,28 +53,42 @@ __all__ = [
     "SynthSpec",
     "PRESETS",
     "WEIGHT_QTYPES",
+    "K_FALLBACK",
+    "matrix_qtype",
     "TensorPlan",
     "plan_tensors",
     "model_nbytes",
     "write_random_model",
 ]
 
-WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.F16)
+WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
+                                        QuantType.Q4_K, QuantType.Q6_K, QuantType.F16)
 """Types the generator can draw 2-D/3-D weight matrices in."""
+
+# What llama.cpp stores a K-type matrix in when its rows are not whole super-blocks (llama_tensor_get_type).
+K_FALLBACK = {QuantType.Q4_K: QuantType.Q5_0, QuantType.Q6_K: QuantType.Q8_0}
 
 _FILE_TYPE = {
     QuantType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
     QuantType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
     QuantType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+    QuantType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
+    QuantType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    QuantType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
     QuantType.F16: gguf.LlamaFileType.MOSTLY_F16,
 }
 
-# RMS of the odd codes the generator leaves: Q8_0 odd in [-127, 127] -> sqrt((4*64^2-1)/3);
-# Q4 (q - 8) odd in [-7, 7] -> sqrt(21); F16 values are sign * scale, code 1.
+# RMS of a block's decoded values over d, for the values the generator leaves: odd codes c in [-n, n] have
+# RMS sqrt(((n+1)^2 - 1) / 3) (Q8_0 n = 127, Q4 n = 7: sqrt(21), Q5_0 n = 15: sqrt(85), Q6_K n = 31), times
+# the sub-block scales' RMS where a K type has them (odd in [1, 63]: sqrt(1365); Q6_K's odd in [1, 15]:
+# sqrt(85)); F16 values are sign * scale, code 1.
 _CODE_RMS = {
     QuantType.Q8_0: math.sqrt((4 * 64**2 - 1) / 3),
     QuantType.Q4_0: math.sqrt(21.0),
     QuantType.Q4_1: math.sqrt(21.0),
+    QuantType.Q5_0: math.sqrt(85.0),
+    QuantType.Q4_K: math.sqrt(21.0 * 1365.0),
+    QuantType.Q6_K: math.sqrt(341.0 * 85.0),
     QuantType.F16: 1.0,
 }
 _SCALE_RMS = math.sqrt(7 / 3)  # RMS of (1 + u), u uniform in [0, 1): the mantissa factor of d
@@ -80,8 +99,9 @@ _CHUNK_BYTES = 16 << 20  # fixed: part of what makes the output independent of t
 class SynthSpec:
     """Hyper-parameters of a random ``qwen2moe`` model (names follow :class:`~tornado_moe.model.ModelConfig`).
 
-    ``qtype`` is the type of every weight matrix (embeddings and output included); norms, biases and router
-    weights are always F32, as tornado-moe requires. ``tokenizer`` is ``"none"`` (no vocabulary: callers
+    ``qtype`` is the type of every weight matrix (embeddings and output included; a K type's fallback,
+    :data:`K_FALLBACK`, for matrices whose rows are not whole super-blocks); norms, biases and router weights
+    are always F32, as tornado-moe requires. ``tokenizer`` is ``"none"`` (no vocabulary: callers
     feed token ids) or ``"qwen2"`` (the real Qwen1.5 tokenizer; needs ``vocab >= 151646``).
     """
 
@@ -161,11 +181,12 @@ class SynthSpec:
         if self.qtype not in WEIGHT_QTYPES:
             problems.append(f"qtype {self.qtype!r} not in {[q.name for q in WEIGHT_QTYPES]}")
         else:
-            bs = block_size(self.qtype)
+            qt = K_FALLBACK.get(self.qtype, self.qtype)  # a K type's rows fall back where they must
+            bs = block_size(qt)
             for f in ("hidden", "expert_ffn", "shared_ffn"):  # these are the rows' lengths (matrix columns)
                 if getattr(self, f) % bs:
                     problems.append(
-                        f"{f} {getattr(self, f)} is not a multiple of the {self.qtype.name} block size {bs}"
+                        f"{f} {getattr(self, f)} is not a multiple of the {qt.name} block size {bs}"
                     )
         if self.tokenizer not in ("none", "qwen2"):
             problems.append(f"tokenizer {self.tokenizer!r} not in ('none', 'qwen2')")
@@ -243,10 +264,11 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
     """Every tensor of the model, in file order (embeddings, layers 0..n-1, output norm, output)."""
     H, V, E, I, S = spec.hidden, spec.vocab, spec.n_experts, spec.expert_ffn, spec.shared_ffn
     q_dim, kv_dim = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    wq, f32 = spec.qtype, QuantType.F32
+    f32 = QuantType.F32
 
     def w(name: str, *shape: int) -> TensorPlan:  # std 1/sqrt(fan-in): unit-scale activations
-        return TensorPlan(name, shape, wq, "weight", 1.0 / math.sqrt(shape[-1]))
+        qt = matrix_qtype(spec.qtype, shape[-1])
+        return TensorPlan(name, shape, qt, "weight", 1.0 / math.sqrt(shape[-1]))
 
     plans = [w("token_embd.weight", V, H)]
     for i in range(spec.n_layers):
@@ -275,6 +297,11 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
     return plans
 
 
+def matrix_qtype(qtype: QuantType, cols: int) -> QuantType:
+    """The type a ``qtype`` model stores a matrix with rows of ``cols`` values in (K types fall back)."""
+    return qtype if cols % block_size(qtype) == 0 else K_FALLBACK.get(qtype, qtype)
+
+
 def model_nbytes(spec: SynthSpec) -> int:
     """Bytes of tensor data the model holds (the file adds metadata and alignment padding)."""
     return sum(p.nbytes for p in plan_tensors(spec))
@@ -293,7 +320,7 @@ def _parse_qtype(qtype: QuantType | str) -> QuantType:
 def _exponent_field(qtype: QuantType, std: float) -> int:
     """fp16 exponent field k+15 such that codes * d, d uniform in [2^k, 2^(k+1)), have RMS close to std."""
     k = round(math.log2(std / (_CODE_RMS[qtype] * _SCALE_RMS)))
-    # Normal fp16 numbers only; Q4_1's m = -8 d needs three more exponent steps.
+    # Normal fp16 numbers only; Q4_1's m = -8 d and Q4_K's dmin = 8 d need three more exponent steps.
     return min(max(k + 15, 1), 27)
 
 
@@ -324,12 +351,25 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
     d |= exp_bits
     if qt == QuantType.Q8_0:
         codes |= np.uint8(0x01)
-    elif qt == QuantType.Q4_0:
+    elif qt in (QuantType.Q4_0, QuantType.Q5_0):
         codes |= np.uint8(0x11)
     elif qt == QuantType.Q4_1:
         m = blocks[:, fields[1]:fields[1] + 2].view("<u2")
         np.bitwise_or(d + np.uint16(3 << 10), np.uint16(0x8000), out=m)  # m = -8 d exactly
         codes |= np.uint8(0x11)
+    elif qt == QuantType.Q4_K:
+        dmin = blocks[:, fields[1]:fields[1] + 2].view("<u2")
+        np.add(d, np.uint16(3 << 10), out=dmin)  # dmin = 8 d exactly
+        s = blocks[:, 4:16]
+        s[:, 0:4] |= np.uint8(0x01)  # odd scales: sub-blocks 0-3 in the low 6 bits of bytes 0-3 ...
+        s[:, 8:12] = (s[:, 8:12] & np.uint8(0x0F)) | np.uint8(0x01)  # ... 4-7 in the low 4 bits of 8-11
+        s[:, 8:12] |= s[:, 8:12] << np.uint8(4)  # the mins' bits = the scales' bits
+        s[:, 4:8] = s[:, 0:4]
+        codes |= np.uint8(0x11)
+    elif qt == QuantType.Q6_K:
+        blocks[:, :128] |= np.uint8(0x11)  # odd low nibbles: odd codes
+        # odd scales in [1, 15]: larger ones would push d below fp16's normal range at fan-in 2048
+        blocks[:, 192:208] = (blocks[:, 192:208] & np.uint8(0x0F)) | np.uint8(0x01)
     else:  # pragma: no cover - validate() restricts qtype
         raise AssertionError(qt)
     return raw
