@@ -32,6 +32,7 @@ TOL_ROUTER = 1e-5  # softmax probabilities of float32 logits
 
 NAN = float("nan")
 QTYPE_PARAMS = [pytest.param(q, id=name) for name, q in ref.QTYPES.items()]
+K_QTYPE_PARAMS = [pytest.param(q, id=name) for name, q in ref.K_QTYPES.items()]
 DEVICES = device_params()
 
 
@@ -62,10 +63,10 @@ def assert_written(out: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", QTYPE_PARAMS)
+@pytest.mark.parametrize("qtype", QTYPE_PARAMS + K_QTYPE_PARAMS)
 def test_embedding_is_gguf_dequantize_bitwise(device: str, qtype: int) -> None:
     rng = np.random.default_rng(1)
-    vocab, dim = 37, 96
+    vocab, dim = 37, (512 if qtype in ref.K_QTYPES.values() else 96)
     raw = ref.quantize(rng.standard_normal((vocab, dim)).astype(np.float32), qtype)
     ids = [0, 36, 5, 5, 17]
     out = poisoned((len(ids), dim), device)
@@ -503,20 +504,6 @@ def test_moe_fused_equals_per_slot_bitwise(device: str, qtype: int, with_gate: b
 
 
 # ---- K types (256-value super-blocks) ----------------------------------------------------------------------
-
-K_QTYPE_PARAMS = [pytest.param(q, id=name) for name, q in ref.K_QTYPES.items()]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", K_QTYPE_PARAMS)
-def test_k_types_embedding_is_gguf_dequantize_bitwise(device: str, qtype: int) -> None:
-    rng = np.random.default_rng(31)
-    vocab, dim = 19, 512
-    raw = ref.quantize(rng.standard_normal((vocab, dim)).astype(np.float32), qtype)
-    ids = [0, 18, 7, 7]
-    out = poisoned((len(ids), dim), device)
-    K.embedding(qtype, torch.from_numpy(raw).to(device), int32(ids, device), out, len(ids), vocab, dim)
-    assert np.array_equal(out.cpu().numpy().view(np.uint32), ref.dequantize(raw, qtype)[ids].view(np.uint32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

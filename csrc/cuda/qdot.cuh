@@ -63,6 +63,25 @@ __device__ __forceinline__ float biased_byte(uint32_t word, int i) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + static_cast<unsigned>(i)));
 }
 
+// The codes of a block's 4 bytes in w (code i = byte i - bias + 2^23, bias = 2^23 + the format's zero point)
+// times 4 activations, as one fma chain; the second form continues the chain s (8 codes: lo's, then hi's).
+__device__ __forceinline__ float dot4_codes(uint32_t w, float bias, const float4& x) {
+  float s = __fmul_rn(__fsub_rn(biased_byte(w, 0), bias), x.x);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 1), bias), x.y, s);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 2), bias), x.z, s);
+  return __fmaf_rn(__fsub_rn(biased_byte(w, 3), bias), x.w, s);
+}
+__device__ __forceinline__ float dot4_codes(uint32_t w, float bias, const float4& x, float s) {
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 0), bias), x.x, s);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 1), bias), x.y, s);
+  s = __fmaf_rn(__fsub_rn(biased_byte(w, 2), bias), x.z, s);
+  return __fmaf_rn(__fsub_rn(biased_byte(w, 3), bias), x.w, s);
+}
+__device__ __forceinline__ float dot8_codes(uint32_t lo, uint32_t hi, float bias, const float4& xlo,
+                                            const float4& xhi) {
+  return dot4_codes(hi, bias, xhi, dot4_codes(lo, bias, xlo));
+}
+
 // Each layout: kVals values per block, kBytes bytes per block, kLanes lanes per block, kLoadRegs registers one
 // lane's loads of one block occupy while in flight; Frag (one lane's raw weights of a block), XFrag (its
 // activations), load/loadx, and dot (acc + the block's contribution, in a fixed order).
@@ -129,16 +148,8 @@ struct FmtTraits<Fmt::Q4_0> {
     return XFrag{ld_x4<V>(xb + 4 * part), ld_x4<V>(xb + 16 + 4 * part)};
   }
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    const uint32_t lo = f.q & 0x0F0F0F0Fu, hi = (f.q >> 4) & 0x0F0F0F0Fu;
     constexpr float kBias = 8388616.0f;  // 2^23 + 8: q - 8
-    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    const float s = dot8_codes(f.q & 0x0F0F0F0Fu, (f.q >> 4) & 0x0F0F0F0Fu, kBias, x.lo, x.hi);
     return __fmaf_rn(fp16_bits_to_f32(f.d), s, acc);
   }
 };
@@ -164,16 +175,8 @@ struct FmtTraits<Fmt::Q4_1> {
     return XFrag{ld_x4<V>(xb + 4 * part), ld_x4<V>(xb + 16 + 4 * part)};
   }
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    const uint32_t lo = f.q & 0x0F0F0F0Fu, hi = (f.q >> 4) & 0x0F0F0F0Fu;
     constexpr float kBias = 8388608.0f;  // 2^23: q
-    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    const float s = dot8_codes(f.q & 0x0F0F0F0Fu, (f.q >> 4) & 0x0F0F0F0Fu, kBias, x.lo, x.hi);
     float sx = __fadd_rn(x.lo.x, x.lo.y);
     sx = __fadd_rn(sx, x.lo.z);
     sx = __fadd_rn(sx, x.lo.w);
@@ -215,25 +218,10 @@ struct FmtTraits<Fmt::Q5_0> {
     const uint32_t lo = (f.q & 0x0F0F0F0Fu) | fifth_bits(bits & 0xFu);
     const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | fifth_bits(bits >> 4);
     constexpr float kBias = 8388624.0f;  // 2^23 + 16: q - 16
-    float s = __fmul_rn(__fsub_rn(biased_byte(lo, 0), kBias), x.lo.x);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 1), kBias), x.lo.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 2), kBias), x.lo.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(lo, 3), kBias), x.lo.w, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 0), kBias), x.hi.x, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 1), kBias), x.hi.y, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 2), kBias), x.hi.z, s);
-    s = __fmaf_rn(__fsub_rn(biased_byte(hi, 3), kBias), x.hi.w, s);
+    const float s = dot8_codes(lo, hi, kBias, x.lo, x.hi);
     return __fmaf_rn(fp16_bits_to_f32(f.dh & 0xFFFFu), s, acc);
   }
 };
-
-// Sum of 4 codes (bytes of w, each 2^23 + code - bias after biased_byte) times 4 activations, an fma chain.
-__device__ __forceinline__ float dot4_codes(uint32_t w, float bias, const float4& x) {
-  float s = __fmul_rn(__fsub_rn(biased_byte(w, 0), bias), x.x);
-  s = __fmaf_rn(__fsub_rn(biased_byte(w, 1), bias), x.y, s);
-  s = __fmaf_rn(__fsub_rn(biased_byte(w, 2), bias), x.z, s);
-  return __fmaf_rn(__fsub_rn(biased_byte(w, 3), bias), x.w, s);
-}
 
 // Q4_K: 144-byte blocks of 256 values (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
 // nibbles); 32 lanes per block. Lane p takes chunk c = p / 8 (qs bytes 32c..32c+31) at bytes 4(p % 8)..+3: their
