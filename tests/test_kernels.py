@@ -516,18 +516,16 @@ def test_k_types_matmul(device: str, qtype: int, n_tokens: int) -> None:
     for rows, cols in ((40, 512), (9, 2304)):
         raw, w64 = ref.make_weights(rng, (rows, cols), qtype)
         w = raw.to(device)
-        x_store = randn(rng, (n_tokens * cols + 1,), device)
-        x = x_store[: n_tokens * cols].view(n_tokens, cols)
+        x = randn(rng, (n_tokens, cols), device)
         y = poisoned((n_tokens, rows), device)
         K.matmul(qtype, w, x, None, y, n_tokens, rows, cols)
         assert_written(y)
         assert ref.rel_err(y, x.cpu().double() @ w64.T) < TOL_MATMUL
-        x_odd = x_store[1:].clone()[: n_tokens * cols]  # a copy 4 bytes off: other loads, the same values
-        x_store[1 : 1 + n_tokens * cols] = x.reshape(-1).clone()
+        x_odd = torch.empty(n_tokens * cols + 1, device=device)[1:]  # 4 bytes off: scalar activation loads
+        x_odd.copy_(x.reshape(-1))
         y_odd = poisoned((n_tokens, rows), device)
-        K.matmul(qtype, w, x_store[1 : 1 + n_tokens * cols], None, y_odd, n_tokens, rows, cols)
+        K.matmul(qtype, w, x_odd, None, y_odd, n_tokens, rows, cols)
         assert torch.equal(y_odd, y), (rows, cols)
-        del x_odd
 
 
 @pytest.mark.parametrize("device", DEVICES)
