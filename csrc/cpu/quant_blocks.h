@@ -96,6 +96,13 @@ inline void decode_q6_k_block(const uint8_t* blk, float* out) {
   }
 }
 
+// The first n values of a row of `qtype` blocks (qtypes.h's geometry), each decoded by decode(block, out).
+template <class Decode>
+inline void decode_blocks(int qtype, const uint8_t* row, int64_t n, float* out, Decode decode) {
+  const int64_t vals = tm_qtype_block_size(qtype), bytes = tm_qtype_block_bytes(qtype);
+  for (int64_t b = 0; b < n / vals; ++b) decode(row + bytes * b, out + vals * b);
+}
+
 // Decodes the first `n` values of a row (n a multiple of the block size; qtype supported) into out[0, n); for
 // TM_Q8_0_TILED, whose layout depends on the row length, n must be the whole row.
 inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
@@ -110,22 +117,22 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(row + 2 * i));
       break;
     case TM_Q8_0:
-      for (int64_t b = 0; b < n / 32; ++b) decode_q8_0_block(row + 34 * b, out + 32 * b);
+      decode_blocks(qtype, row, n, out, decode_q8_0_block);
       break;
     case TM_Q4_0:
-      for (int64_t b = 0; b < n / 32; ++b) decode_q4_0_block(row + 18 * b, out + 32 * b);
+      decode_blocks(qtype, row, n, out, decode_q4_0_block);
       break;
     case TM_Q4_1:
-      for (int64_t b = 0; b < n / 32; ++b) decode_q4_1_block(row + 20 * b, out + 32 * b);
+      decode_blocks(qtype, row, n, out, decode_q4_1_block);
       break;
     case TM_Q5_0:
-      for (int64_t b = 0; b < n / 32; ++b) decode_q5_0_block(row + 22 * b, out + 32 * b);
+      decode_blocks(qtype, row, n, out, decode_q5_0_block);
       break;
     case TM_Q4_K:
-      for (int64_t b = 0; b < n / 256; ++b) decode_q4_k_block(row + 144 * b, out + 256 * b);
+      decode_blocks(qtype, row, n, out, decode_q4_k_block);
       break;
     case TM_Q6_K:
-      for (int64_t b = 0; b < n / 256; ++b) decode_q6_k_block(row + 210 * b, out + 256 * b);
+      decode_blocks(qtype, row, n, out, decode_q6_k_block);
       break;
     case TM_Q8_0_TILED:  // the Q8_0 values at their tiled places (qtypes.h); n is the whole row
       for (int64_t b = 0; b < n / 32; ++b) {
