@@ -38,9 +38,9 @@ __all__ = [
 F64 = torch.float64
 
 # GGML type ids of the supported weight formats: rows of any multiple of 32 values ...
-QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "BF16": 30}
+QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "BF16": 30}
 # ... and of a multiple of 256 (K types)
-K_QTYPES = {"Q4_K": 12, "Q6_K": 14}
+K_QTYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 QTYPE_NAMES = {v: k for k, v in {**QTYPES, **K_QTYPES}.items()}
 
 

@@ -709,13 +709,13 @@ def test_unsupported_qtype_is_named(device: str) -> None:
         torch.zeros(1, 256, device=device),
         torch.zeros(1, 4, device=device),
     )
-    with pytest.raises(RuntimeError, match=r"qtype 13 \(GGML Q5_K\)"):
-        K.matmul(13, w, x, None, y, 1, 4, 256)
+    with pytest.raises(RuntimeError, match=r"qtype 11 \(GGML Q3_K\)"):
+        K.matmul(11, w, x, None, y, 1, 4, 256)
     act = torch.zeros(1, 1, 4, device=device)
     with pytest.raises(
-        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 7 \(GGML Q5_1\)"
+        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 20 \(GGML IQ4_NL\)"
     ):
-        K.moe_gate_up(7, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
+        K.moe_gate_up(20, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
 
 
 @pytest.mark.parametrize("device", DEVICES)

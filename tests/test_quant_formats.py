@@ -25,7 +25,8 @@ from tornado_moe.quant.formats import (
     type_size,
 )
 
-BLOCK_TYPES = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q4_K, QuantType.Q6_K]
+BLOCK_TYPES = [QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q4_K,
+               QuantType.Q5_K, QuantType.Q6_K]
 ALL_TYPES = list(QuantType)
 
 
@@ -64,23 +65,23 @@ def _random_blocks(qt: QuantType, n_blocks: int, rng: np.random.Generator, finit
 
 
 def test_sizes() -> None:
-    assert [block_size(t) for t in ALL_TYPES] == [1, 1, 32, 32, 32, 32, 256, 256, 1]
-    assert [type_size(t) for t in ALL_TYPES] == [4, 2, 18, 20, 22, 34, 144, 210, 2]
+    assert [block_size(t) for t in ALL_TYPES] == [1, 1, 32, 32, 32, 32, 32, 256, 256, 256, 1]
+    assert [type_size(t) for t in ALL_TYPES] == [4, 2, 18, 20, 22, 24, 34, 144, 176, 210, 2]
     for t in ALL_TYPES:  # agrees with gguf's table
         assert (block_size(t), type_size(t)) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))]
     assert row_bytes(QuantType.Q8_0, 2048) == 64 * 34
     assert row_bytes(QuantType.F16, 7) == 14
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         row_bytes(QuantType.Q4_0, 48)
-    assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 6, 8, 12, 14, 30]  # GGML type ids
+    assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30]  # GGML type ids
     with pytest.raises(ValueError, match="multiple of the block size 256"):
         row_bytes(QuantType.Q4_K, 1408)  # Qwen1.5-MoE's expert rows: llama.cpp stores those in another type
 
 
 def test_quant_type_of() -> None:
     assert quant_type_of(8, where="x") is QuantType.Q8_0
-    with pytest.raises(UnsupportedModelError, match=r"m\.gguf: blk\.0\.attn_q\.weight.*Q5_K"):
-        quant_type_of(int(gguf.GGMLQuantizationType.Q5_K), where="m.gguf: blk.0.attn_q.weight")
+    with pytest.raises(UnsupportedModelError, match=r"m\.gguf: blk\.0\.attn_q\.weight.*Q3_K"):
+        quant_type_of(int(gguf.GGMLQuantizationType.Q3_K), where="m.gguf: blk.0.attn_q.weight")
     with pytest.raises(UnsupportedModelError, match="unknown"):
         quant_type_of(250, where="t")
 
@@ -96,9 +97,9 @@ def test_block_dequantize_bitwise_equals_gguf(qt: QuantType) -> None:
             mine = dequantize(raw, qt, (rows, blocks_per_row * block_size(qt)))
             ref = _gguf_deq(raw, qt)
         assert _same_bits(mine, ref)
-        if not finite:  # (Q4_K's infinite d and dmin give inf - inf: NaN only)
+        if not finite:  # (Q4_K's and Q5_K's infinite d and dmin give inf - inf: NaN only)
             assert np.isnan(mine).any() and np.isfinite(mine).any()
-            assert np.isinf(mine).any() or qt == QuantType.Q4_K
+            assert np.isinf(mine).any() or qt in (QuantType.Q4_K, QuantType.Q5_K)
     # The scale values we drew do cover negative, zero and subnormal fp16 numbers.
     off = FP16_FIELDS[qt][0]
     d = np.ascontiguousarray(blocks[:, off : off + 2]).view("<f2").ravel()
@@ -139,6 +140,8 @@ def test_hand_built_blocks() -> None:
     q50 = np.concatenate([d, np.array([fifth], dtype="<u4").view(np.uint8), packed])
     q5 = codes + 16 * ((fifth >> np.arange(32, dtype=np.uint32)) & 1)
     np.testing.assert_array_equal(dequantize(q50, QuantType.Q5_0, (32,)), (q5.astype(np.float32) - 16) * 0.5)
+    q51 = np.concatenate([d, m, np.array([fifth], dtype="<u4").view(np.uint8), packed])
+    np.testing.assert_array_equal(dequantize(q51, QuantType.Q5_1, (32,)), q5 * 0.5 - 3.0)
 
 
 def test_hand_built_k_blocks() -> None:
@@ -158,6 +161,15 @@ def test_hand_built_k_blocks() -> None:
     j = np.arange(256) // 32
     expected = np.float32(d) * sc[j].astype(np.float32) * q - np.float32(dmin) * mins[j].astype(np.float32)
     np.testing.assert_array_equal(dequantize(blk, QuantType.Q4_K, (256,)), expected)
+    # Q5_K: the same, with value v's fifth bit at bit v // 32 of qh[v % 32]
+    high = (np.arange(256) * 11 // 3) % 2
+    qh = np.zeros(32, dtype=np.uint8)
+    for v in range(256):
+        qh[v % 32] |= high[v] << (v // 32)
+    blk5 = np.concatenate([blk[:16], qh, qs])
+    expected5 = (np.float32(d) * sc[j].astype(np.float32) * (q + 16 * high)
+                 - np.float32(dmin) * mins[j].astype(np.float32))
+    np.testing.assert_array_equal(dequantize(blk5, QuantType.Q5_K, (256,)), expected5)
 
     q6 = np.arange(256) * 5 % 64  # value v's code q (stored), value (q - 32) * d * scale
     ql, qh = np.zeros(128, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
@@ -218,7 +230,9 @@ def test_quantize_matches_gguf_and_round_trips(qt: QuantType) -> None:
         QuantType.Q4_0: 1 / 8 + 1e-3,
         QuantType.Q4_1: 2 / 15 + 1e-3,
         QuantType.Q5_0: 1 / 16 + 1e-3,
+        QuantType.Q5_1: 1 / 31 + 1e-3,
         QuantType.Q4_K: 0.1,  # 4-bit codes, a 6-bit scale and min per 32 values
+        QuantType.Q5_K: 0.05,
         QuantType.Q6_K: 1 / 32,
     }[qt]
     assert (err <= bound * amax + 1e-30).all()

@@ -187,7 +187,10 @@ def test_quant_type_and_shape_overrides(tmp_path: Path, qtype: QuantType) -> Non
         assert np.abs(ratio).max() == 7
 
 
-@pytest.mark.parametrize("qtype", [QuantType.Q5_0, QuantType.Q4_K, QuantType.Q6_K], ids=lambda q: q.name)
+FIVE_BIT_AND_K = [QuantType.Q5_0, QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", FIVE_BIT_AND_K, ids=lambda q: q.name)
 def test_k_type_models_fall_back_as_llama_cpp_and_are_well_scaled(tmp_path: Path, qtype: QuantType) -> None:
     """A K-type model stores the matrices whose rows are not whole super-blocks in llama.cpp's fallback type
     (the tiny preset's expert down rows of 128 values; Qwen1.5-MoE's of 1408); every weight is finite, never
@@ -220,8 +223,8 @@ def test_bad_specs_are_refused_naming_the_field() -> None:
         PRESETS["qwen1.5-moe-a2.7b"].with_overrides(n_experts=2)
     with pytest.raises(InputError, match="n_layers must be > 0"):
         PRESETS["tiny"].with_overrides(n_layers=0)
-    with pytest.raises(InputError, match="unknown quant type 'Q5_K'"):
-        PRESETS["tiny"].with_overrides(qtype="Q5_K")
+    with pytest.raises(InputError, match="unknown quant type 'Q3_K'"):
+        PRESETS["tiny"].with_overrides(qtype="Q3_K")
     import dataclasses
 
     with pytest.raises(InputError, match="expert_ffn 100 is not a multiple"):
@@ -400,7 +403,7 @@ def test_cli_main_entry_point_runs_synth(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--qtype", "Q5_K"], "argument --qtype: invalid choice: 'Q5_K'"),
+        (["--qtype", "Q3_K"], "argument --qtype: invalid choice: 'Q3_K'"),
         (["--layers", "0"], "argument --layers: expected a positive integer, got 0"),
         (["--experts", "two"], "argument --experts: expected a positive integer, got 'two'"),
         (["--preset", "gpt4"], "argument --preset: invalid choice: 'gpt4'"),

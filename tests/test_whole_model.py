@@ -64,7 +64,7 @@ def test_llama_batched_prefill_is_token_by_token(tmp_path, experts: int) -> None
 
 
 @pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_k_quant_models_match_the_reference_and_keep_every_promise(tmp_path, device: str, qtype: str) -> None:
     """The tiny qwen2moe in llama.cpp's K types (expert down rows of 128 values in the K type's fallback, as
     llama.cpp stores them: the shared and routed downs then differ in format and run as two launches): logits

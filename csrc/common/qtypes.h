@@ -13,8 +13,8 @@
 /* 1 when the kernels support weight format `qtype` (a tm_qtype value). */
 static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
   switch (qtype) {
-    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q8_0: case TM_Q4_K: case TM_Q6_K:
-    case TM_BF16: case TM_Q8_0_TILED: return 1;
+    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: case TM_Q4_K:
+    case TM_Q5_K: case TM_Q6_K: case TM_BF16: case TM_Q8_0_TILED: return 1;
     default: return 0;
   }
 }
@@ -23,8 +23,8 @@ static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
 static inline TM_HOST_DEVICE int64_t tm_qtype_block_size(int qtype) {
   switch (qtype) {
     case TM_F32: case TM_F16: case TM_BF16: return 1;
-    case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q8_0: return 32;
-    case TM_Q4_K: case TM_Q6_K: return 256;
+    case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: return 32;
+    case TM_Q4_K: case TM_Q5_K: case TM_Q6_K: return 256;
     case TM_Q8_0_TILED: return 128;  /* a row is whole steps of 4 Q8_0 blocks */
     default: return 0;
   }
@@ -38,8 +38,10 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_block_bytes(int qtype) {
     case TM_Q4_0: return 2 + 16;
     case TM_Q4_1: return 2 + 2 + 16;
     case TM_Q5_0: return 2 + 4 + 16;
+    case TM_Q5_1: return 2 + 2 + 4 + 16;
     case TM_Q8_0: return 2 + 32;
     case TM_Q4_K: return 2 + 2 + 12 + 128;
+    case TM_Q5_K: return 2 + 2 + 12 + 32 + 128;
     case TM_Q6_K: return 128 + 64 + 16 + 2;
     case TM_Q8_0_TILED: return 4 * (2 + 32);
     default: return 0;
@@ -54,11 +56,12 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_row_bytes(int qtype, int64_t cols)
 
 /* Codes of the formats whose bits are not a byte or a nibble at a fixed place (layouts in tornado_moe.h), one
  * definition for the CPU decoder and the CUDA embedding (the CUDA dot products unpack whole words the same way). */
-/* Q5_0: q - 16 of value c (0..31) of the block at blk. */
-static inline TM_HOST_DEVICE int tm_q5_0_code(const uint8_t* blk, int c) {
-  const uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) | ((uint32_t)blk[5] << 24);
-  const int lo = (blk[6 + (c & 15)] >> (4 * (c >> 4))) & 0xF;
-  return (lo | (int)(((qh >> c) & 1u) << 4)) - 16;
+/* Q5_0 / Q5_1: the 5-bit code q (0..31) of value c (0..31), from the fifth bits' uint32 at qh and the nibbles
+ * after it (Q5_0's value is (q - 16) * d). */
+static inline TM_HOST_DEVICE int tm_q5_code(const uint8_t* qh, int c) {
+  const uint32_t h = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+  const int lo = (qh[4 + (c & 15)] >> (4 * (c >> 4))) & 0xF;
+  return lo | (int)(((h >> c) & 1u) << 4);
 }
 /* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the block's 12 packed bytes s. */
 static inline TM_HOST_DEVICE void tm_q4_k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
@@ -73,6 +76,10 @@ static inline TM_HOST_DEVICE void tm_q4_k_scale_min(const uint8_t* s, int j, int
 /* Q4_K: the code (0..15) of value c (0..255) of a block whose nibbles start at qs. */
 static inline TM_HOST_DEVICE int tm_q4_k_code(const uint8_t* qs, int c) {
   return (qs[32 * (c / 64) + c % 32] >> (4 * ((c / 32) & 1))) & 0xF;
+}
+/* Q5_K: the code (0..31) of value c (0..255) of the block at blk (qh at byte 16, nibbles at 48). */
+static inline TM_HOST_DEVICE int tm_q5_k_code(const uint8_t* blk, int c) {
+  return tm_q4_k_code(blk + 48, c) | (((blk[16 + c % 32] >> (c / 32)) & 1) << 4);
 }
 /* Q6_K: q - 32 of value c (0..255) of the block at blk (ql at byte 0, qh at 128; ggml's dequantize_row_q6_K):
  * value 128h + 32k + l takes nibble k / 2 of ql[64h + 32(k % 2) + l] and bits 2k, 2k+1 of qh[32h + l]. */
@@ -117,6 +124,7 @@ static inline const char* tm_ggml_type_name(int qtype) {
 }
 
 #define TM_SUPPORTED_QTYPES_TEXT \
-  "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12), Q6_K (14), BF16 (30), Q8_0_TILED (264)"
+  "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), BF16 (30), " \
+  "Q8_0_TILED (264)"
 
 #endif

@@ -1,9 +1,9 @@
 /*
- * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) into
- * float32 for the CPU kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced exactly as
- * gguf's reference dequantizer does (fp16/bf16 widening is exact; Q8_0 q*d, Q4_0 (q-8)*d, Q5_0 (q-16)*d, Q4_1
- * q*d + m, Q4_K (d*sc)*q - dmin*m, Q6_K (d*scale)*(q-32), each operation a rounded float32 one), so a decoded row
- * is bitwise equal to gguf.quants.dequantize of the same bytes.
+ * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K) into float32 for the CPU kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced
+ * exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact; Q8_0 q*d, Q4_0 (q-8)*d, Q5_0
+ * (q-16)*d, Q4_1 and Q5_1 q*d + m, Q4_K and Q5_K (d*sc)*q - dmin*m, Q6_K (d*scale)*(q-32), each operation a
+ * rounded float32 one), so a decoded row is bitwise equal to gguf.quants.dequantize of the same bytes.
  */
 #ifndef TORNADO_MOE_CPU_QUANT_BLOCKS_H
 #define TORNADO_MOE_CPU_QUANT_BLOCKS_H
@@ -73,17 +73,28 @@ inline void decode_q4_1_block(const uint8_t* blk, float* out) {
 
 inline void decode_q5_0_block(const uint8_t* blk, float* out) {
   const float d = fp16_to_f32(load_u16(blk));
-  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tm_q5_0_code(blk, i)) * d;
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tm_q5_code(blk + 2, i) - 16) * d;
 }
 
-inline void decode_q4_k_block(const uint8_t* blk, float* out) {
+inline void decode_q5_1_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  const float m = fp16_to_f32(load_u16(blk + 2));
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(tm_q5_code(blk + 4, i)) * d + m;
+}
+
+// Q4_K (K5 false) and Q5_K (K5 true): sub-block j's values (d*sc)*q - dmin*m.
+template <bool K5>
+inline void decode_q45_k_block(const uint8_t* blk, float* out) {
   const float d = fp16_to_f32(load_u16(blk));
   const float dmin = fp16_to_f32(load_u16(blk + 2));
   for (int j = 0; j < 8; ++j) {
     int sc, m;
     tm_q4_k_scale_min(blk + 4, j, &sc, &m);
     const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-    for (int i = 32 * j; i < 32 * j + 32; ++i) out[i] = dl * static_cast<float>(tm_q4_k_code(blk + 16, i)) - ml;
+    for (int i = 32 * j; i < 32 * j + 32; ++i) {
+      const int q = K5 ? tm_q5_k_code(blk, i) : tm_q4_k_code(blk + 16, i);
+      out[i] = dl * static_cast<float>(q) - ml;
+    }
   }
 }
 
@@ -128,8 +139,14 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
     case TM_Q5_0:
       decode_blocks(qtype, row, n, out, decode_q5_0_block);
       break;
+    case TM_Q5_1:
+      decode_blocks(qtype, row, n, out, decode_q5_1_block);
+      break;
     case TM_Q4_K:
-      decode_blocks(qtype, row, n, out, decode_q4_k_block);
+      decode_blocks(qtype, row, n, out, decode_q45_k_block<false>);
+      break;
+    case TM_Q5_K:
+      decode_blocks(qtype, row, n, out, decode_q45_k_block<true>);
       break;
     case TM_Q6_K:
       decode_blocks(qtype, row, n, out, decode_q6_k_block);

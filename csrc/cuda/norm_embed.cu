@@ -3,8 +3,8 @@
  *
  * embedding: a grid-stride loop over the n_tokens * dim output values (256 threads a block, at most 16 blocks per
  *   SM); each value is decoded exactly as gguf's dequantizer does (quant_blocks.h's operations: Q8_0 q*d, Q4_0
- *   (q-8)*d, Q4_1 q*d + m, Q4_K (d*sc)*q - dmin*m, ..., each a rounded float32 operation), so rows are bitwise equal to gguf.quants.dequantize and to the CPU
- *   kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
+ *   (q-8)*d, Q4_1 q*d + m, Q4_K (d*sc)*q - dmin*m, ..., each a rounded float32 operation), so rows are bitwise
+ *   equal to gguf.quants.dequantize and to the CPU kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
  * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
  *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
  *   (x is therefore read with plain loads). rmsnorm_factors: the same blocks; warp 0 evaluates the deferred form's
@@ -90,16 +90,26 @@ __device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int
     }
     case TM_Q5_0: {
       const uint8_t* blk = row + (c / 32) * 22;
-      return __fmul_rn(static_cast<float>(tm_q5_0_code(blk, static_cast<int>(c % 32))), fp16_bits_to_f32(ldg_u16(blk)));
+      const int q = tm_q5_code(blk + 2, static_cast<int>(c % 32)) - 16;
+      return __fmul_rn(static_cast<float>(q), fp16_bits_to_f32(ldg_u16(blk)));
     }
-    case TM_Q4_K: {
-      const uint8_t* blk = row + (c / 256) * 144;
+    case TM_Q5_1: {
+      const uint8_t* blk = row + (c / 32) * 24;
+      const int q = tm_q5_code(blk + 4, static_cast<int>(c % 32));
+      return __fadd_rn(__fmul_rn(static_cast<float>(q), fp16_bits_to_f32(ldg_u16(blk))),
+                       fp16_bits_to_f32(ldg_u16(blk + 2)));
+    }
+    case TM_Q4_K:
+    case TM_Q5_K: {
+      const bool k5 = qtype == TM_Q5_K;
+      const uint8_t* blk = row + (c / 256) * (k5 ? 176 : 144);
       const int v = static_cast<int>(c % 256);
       int sc, m;
       tm_q4_k_scale_min(blk + 4, v / 32, &sc, &m);
       const float dl = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk)), static_cast<float>(sc));
       const float ml = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk + 2)), static_cast<float>(m));
-      return __fsub_rn(__fmul_rn(dl, static_cast<float>(tm_q4_k_code(blk + 16, v))), ml);
+      const int q = k5 ? tm_q5_k_code(blk, v) : tm_q4_k_code(blk + 16, v);
+      return __fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml);
     }
     default: {  // TM_Q6_K
       const uint8_t* blk = row + (c / 256) * 210;

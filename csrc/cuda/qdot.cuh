@@ -5,15 +5,15 @@
  * the same bits whichever kernel variant, tile shape or launch chunking asked for it.
  *
  * Lane layout and reduction order (fixed per weight format and row length, never by the launch):
- *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1/Q5_0, 256 for Q4_K/Q6_K; 4 values for the
- *   F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value otherwise). kLanes lanes share
- *   a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s, lane l handles
- *   block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row, token) and adds its
- *   blocks in increasing step order (Q8_0/Q4_0/Q5_0: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma
- *   chain; Q4_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q4_K: per sub-block of the lane, in order,
- *   fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q6_K: per sub-block of the lane, in order,
- *   fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators
- *   are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics, so the
+ *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, 256 for Q4_K/Q5_K/Q6_K; 4 values
+ *   for the F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value otherwise). kLanes
+ *   lanes share a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s,
+ *   lane l handles block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row,
+ *   token) and adds its blocks in increasing step order (Q8_0/Q4_0/Q5_0: acc = fma(d, sum_i q_i x_i, acc) with
+ *   the in-block sum an fma chain; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q4_K/Q5_K: per
+ *   sub-block of the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q6_K: per
+ *   sub-block of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane
+ *   accumulators are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics, so the
  *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
  *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
  *
@@ -36,7 +36,8 @@ namespace tm_cuda {
 // The row layouts of the dot product (see above). X4 layouts are chosen by the row length alone.
 // Q8_0T / Q8_0T16 are TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout with
 // 8-byte code loads, or 16-byte ones when every row is 16-byte aligned (rows of a multiple of 256 values).
-enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, F16, F16X4, BF16, BF16X4, F32, F32X4 };
+enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, F16X4, BF16, BF16X4, F32,
+                       F32X4 };
 constexpr bool fmt_tiled(Fmt f) { return f == Fmt::Q8_0T || f == Fmt::Q8_0T16; }
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
@@ -80,6 +81,21 @@ __device__ __forceinline__ float dot4_codes(uint32_t w, float bias, const float4
 __device__ __forceinline__ float dot8_codes(uint32_t lo, uint32_t hi, float bias, const float4& xlo,
                                             const float4& xhi) {
   return dot4_codes(hi, bias, xhi, dot4_codes(lo, bias, xlo));
+}
+
+// 8 activations summed in order (lo's, then hi's): the minimum's factor of Q4_1 / Q5_1.
+__device__ __forceinline__ float sum8(const float4& lo, const float4& hi) {
+  float sx = __fadd_rn(lo.x, lo.y);
+  sx = __fadd_rn(sx, lo.z);
+  sx = __fadd_rn(sx, lo.w);
+  sx = __fadd_rn(sx, hi.x);
+  sx = __fadd_rn(sx, hi.y);
+  sx = __fadd_rn(sx, hi.z);
+  return __fadd_rn(sx, hi.w);
+}
+// 4 bits -> bit 4 of each of 4 bytes (a 5-bit format's fifth bits under its nibbles)
+__device__ __forceinline__ uint32_t fifth_bits(uint32_t b) {
+  return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
 }
 
 // Each layout: kVals values per block, kBytes bytes per block, kLanes lanes per block, kLoadRegs registers one
@@ -177,62 +193,63 @@ struct FmtTraits<Fmt::Q4_1> {
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
     constexpr float kBias = 8388608.0f;  // 2^23: q
     const float s = dot8_codes(f.q & 0x0F0F0F0Fu, (f.q >> 4) & 0x0F0F0F0Fu, kBias, x.lo, x.hi);
-    float sx = __fadd_rn(x.lo.x, x.lo.y);
-    sx = __fadd_rn(sx, x.lo.z);
-    sx = __fadd_rn(sx, x.lo.w);
-    sx = __fadd_rn(sx, x.hi.x);
-    sx = __fadd_rn(sx, x.hi.y);
-    sx = __fadd_rn(sx, x.hi.z);
-    sx = __fadd_rn(sx, x.hi.w);
+    const float sx = sum8(x.lo, x.hi);
     acc = __fmaf_rn(fp16_bits_to_f32(f.dm & 0xFFFFu), s, acc);
     return __fmaf_rn(fp16_bits_to_f32(f.dm >> 16), sx, acc);
   }
 };
 
-// Q5_0: 22-byte blocks (fp16 d, the 32 fifth bits as a little-endian uint32, 16 bytes of nibbles as Q4_0);
-// v = (q - 16) * d. Lanes as Q4_0's; a lane's 8 fifth bits (values 4p..4p+3, then 16+4p..16+4p+3) ride in the
-// upper half of the d word.
-template <>
-struct FmtTraits<Fmt::Q5_0> {
-  static constexpr int kVals = 32, kBytes = 22, kLanes = 4, kLoadRegs = 4;
+// Q5_0 (22 bytes: fp16 d, then the uint32 of fifth bits, 16 bytes of nibbles as Q4_0; v = (q - 16) * d) and
+// Q5_1 (24 bytes: fp16 d, fp16 m, then as Q5_0; v = q*d + m, a block contributing d * sum(q x) + m * sum(x)).
+// Lanes as Q4_0's; a lane's 8 fifth bits (values 4p..4p+3, then 16+4p..16+4p+3) are taken at load.
+template <bool M>
+struct Q5Traits {
+  static constexpr int kHead = M ? 4 : 2;  // bytes before the fifth bits
+  static constexpr int kVals = 32, kBytes = kHead + 4 + 16, kLanes = 4, kLoadRegs = 4;
   struct Frag {
-    uint32_t q, dh;
+    uint32_t q, dm, bits;
   };
   using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
   template <bool V>
   __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
-    const uint32_t qh = ldg_u16(blk + 2) | (ldg_u16(blk + 4) << 16);
+    const uint32_t qh = ldg_u16(blk + kHead) | (ldg_u16(blk + kHead + 2) << 16);
     const uint32_t bits = ((qh >> (4 * part)) & 0xFu) | (((qh >> (16 + 4 * part)) & 0xFu) << 4);
-    return Frag{ldg_u16(blk + 6 + 4 * part) | (ldg_u16(blk + 8 + 4 * part) << 16), ldg_u16(blk) | (bits << 16)};
+    const uint8_t* q = blk + kHead + 4 + 4 * part;
+    const uint32_t dm = M ? ldg_u16(blk) | (ldg_u16(blk + 2) << 16) : ldg_u16(blk);
+    return Frag{ldg_u16(q) | (ldg_u16(q + 2) << 16), dm, bits};
   }
   template <bool V>
   __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
     return FmtTraits<Fmt::Q4_0>::loadx<V>(xb, part);
   }
-  // 4 bits -> bit 4 of each of 4 bytes
-  __device__ __forceinline__ static uint32_t fifth_bits(uint32_t b) {
-    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
-  }
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    const uint32_t bits = f.dh >> 16;
-    const uint32_t lo = (f.q & 0x0F0F0F0Fu) | fifth_bits(bits & 0xFu);
-    const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | fifth_bits(bits >> 4);
-    constexpr float kBias = 8388624.0f;  // 2^23 + 16: q - 16
+    const uint32_t lo = (f.q & 0x0F0F0F0Fu) | fifth_bits(f.bits & 0xFu);
+    const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | fifth_bits(f.bits >> 4);
+    constexpr float kBias = M ? 8388608.0f : 8388624.0f;  // 2^23 (q) or 2^23 + 16 (q - 16)
     const float s = dot8_codes(lo, hi, kBias, x.lo, x.hi);
-    return __fmaf_rn(fp16_bits_to_f32(f.dh & 0xFFFFu), s, acc);
+    acc = __fmaf_rn(fp16_bits_to_f32(f.dm & 0xFFFFu), s, acc);
+    if constexpr (M) acc = __fmaf_rn(fp16_bits_to_f32(f.dm >> 16), sum8(x.lo, x.hi), acc);
+    return acc;
   }
 };
-
-// Q4_K: 144-byte blocks of 256 values (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
-// nibbles); 32 lanes per block. Lane p takes chunk c = p / 8 (qs bytes 32c..32c+31) at bytes 4(p % 8)..+3: their
-// low nibbles are values 4(p % 8).. of sub-block 2c, their high nibbles the same of sub-block 2c + 1. v =
-// (d*sc)*q - dmin*m, so a sub-block contributes (d*sc) * sum(q x) - (dmin*m) * sum(x). The scales and mins of
-// the lane's two sub-blocks are unpacked at load (tm_q4_k_scale_min's bits) into one word: sc0, sc1, m0, m1.
 template <>
-struct FmtTraits<Fmt::Q4_K> {
-  static constexpr int kVals = 256, kBytes = 144, kLanes = 32, kLoadRegs = 6;
+struct FmtTraits<Fmt::Q5_0> : Q5Traits<false> {};
+template <>
+struct FmtTraits<Fmt::Q5_1> : Q5Traits<true> {};
+
+// Q4_K (144-byte blocks of 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+// nibbles) and Q5_K (176 bytes: the same with 32 bytes of fifth bits before the nibbles); 32 lanes per block.
+// Lane p takes chunk c = p / 8 (nibble bytes 32c..32c+31) at bytes 4(p % 8)..+3: their low nibbles are values
+// 4(p % 8).. of sub-block 2c, their high nibbles the same of sub-block 2c + 1 (Q5_K: the fifth bits are bits 2c,
+// 2c + 1 of qh bytes 4(p % 8)..+3). v = (d*sc)*q - dmin*m, so a sub-block contributes (d*sc) * sum(q x) -
+// (dmin*m) * sum(x). The scales and mins of the lane's two sub-blocks are unpacked at load (tm_q4_k_scale_min's
+// bits) into one word: sc0, sc1, m0, m1.
+template <bool K5>
+struct Q45KTraits {
+  static constexpr int kQs = K5 ? 48 : 16;  // the nibbles' offset
+  static constexpr int kVals = 256, kBytes = kQs + 128, kLanes = 32, kLoadRegs = K5 ? 8 : 6;
   struct Frag {
-    uint32_t q, dm, scm;
+    uint32_t q, dm, scm, h;  // h (Q5_K): the lane's fifth bits, bit 0 (sub-block 2c) and 1 (2c + 1) of each byte
   };
   using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
   template <bool V>
@@ -251,8 +268,13 @@ struct FmtTraits<Fmt::Q4_K> {
       const uint32_t m = ((e >> 4) & 0x0F0Fu) | ((b >> 2) & 0x3030u);
       scm = sc | (m << 16);
     }
-    const uint8_t* q = blk + 16 + 32 * c + 4 * (part & 7);
-    return Frag{ldg_u16(q) | (ldg_u16(q + 2) << 16), ldg_u16(blk) | (ldg_u16(blk + 2) << 16), scm};
+    uint32_t h = 0;
+    if constexpr (K5) {
+      const uint8_t* qh = blk + 16 + 4 * (part & 7);
+      h = ((ldg_u16(qh) | (ldg_u16(qh + 2) << 16)) >> (2 * c)) & 0x03030303u;
+    }
+    const uint8_t* q = blk + kQs + 32 * c + 4 * (part & 7);
+    return Frag{ldg_u16(q) | (ldg_u16(q + 2) << 16), ldg_u16(blk) | (ldg_u16(blk + 2) << 16), scm, h};
   }
   template <bool V>
   __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
@@ -261,8 +283,10 @@ struct FmtTraits<Fmt::Q4_K> {
   }
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
     constexpr float kBias = 8388608.0f;  // 2^23: q
-    const float s0 = dot4_codes(f.q & 0x0F0F0F0Fu, kBias, x.lo);
-    const float s1 = dot4_codes((f.q >> 4) & 0x0F0F0F0Fu, kBias, x.hi);
+    const uint32_t lo = (f.q & 0x0F0F0F0Fu) | ((f.h & 0x01010101u) << 4);
+    const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | ((f.h & 0x02020202u) << 3);
+    const float s0 = dot4_codes(lo, kBias, x.lo);
+    const float s1 = dot4_codes(hi, kBias, x.hi);
     const float x0 = __fadd_rn(__fadd_rn(__fadd_rn(x.lo.x, x.lo.y), x.lo.z), x.lo.w);
     const float x1 = __fadd_rn(__fadd_rn(__fadd_rn(x.hi.x, x.hi.y), x.hi.z), x.hi.w);
     const float d = fp16_bits_to_f32(f.dm & 0xFFFFu), dmin = fp16_bits_to_f32(f.dm >> 16);
@@ -272,6 +296,10 @@ struct FmtTraits<Fmt::Q4_K> {
     return __fmaf_rn(-__fmul_rn(dmin, static_cast<float>(f.scm >> 24)), x1, acc);
   }
 };
+template <>
+struct FmtTraits<Fmt::Q4_K> : Q45KTraits<false> {};
+template <>
+struct FmtTraits<Fmt::Q5_K> : Q45KTraits<true> {};
 
 // Q6_K: 210-byte blocks of 256 values (128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; tm_q6_k_code's value
 // layout); 32 lanes per block. Lane p takes half h = p / 16 and l = 2(p % 16), 2(p % 16) + 1: the values
@@ -754,7 +782,9 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
     case TM_Q4_0: return Fmt::Q4_0;
     case TM_Q4_1: return Fmt::Q4_1;
     case TM_Q5_0: return Fmt::Q5_0;
+    case TM_Q5_1: return Fmt::Q5_1;
     case TM_Q4_K: return Fmt::Q4_K;
+    case TM_Q5_K: return Fmt::Q5_K;
     case TM_Q6_K: return Fmt::Q6_K;
     case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
     case TM_BF16: return quad ? Fmt::BF16X4 : Fmt::BF16;
@@ -765,8 +795,9 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
 // Values per block of a layout (the row length in blocks is cols / fmt_vals).
 inline int64_t fmt_vals(Fmt f) {
   switch (f) {
-    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: case Fmt::Q5_0: return 32;
-    case Fmt::Q4_K: case Fmt::Q6_K: return 256;
+    case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: case Fmt::Q5_0:
+    case Fmt::Q5_1: return 32;
+    case Fmt::Q4_K: case Fmt::Q5_K: case Fmt::Q6_K: return 256;
     case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
     default: return 1;
   }
@@ -800,7 +831,9 @@ inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
     case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
     case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
     case Fmt::Q5_0: return v ? fn(FmtTag<Fmt::Q5_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_0>{}, std::false_type{});
+    case Fmt::Q5_1: return v ? fn(FmtTag<Fmt::Q5_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_1>{}, std::false_type{});
     case Fmt::Q4_K: return v ? fn(FmtTag<Fmt::Q4_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_K>{}, std::false_type{});
+    case Fmt::Q5_K: return v ? fn(FmtTag<Fmt::Q5_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_K>{}, std::false_type{});
     case Fmt::Q6_K: return v ? fn(FmtTag<Fmt::Q6_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q6_K>{}, std::false_type{});
     case Fmt::F16X4:
       return v ? fn(FmtTag<Fmt::F16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F16X4>{}, std::false_type{});

@@ -53,10 +53,13 @@ typedef enum tm_qtype {
   TM_Q4_1 = 3,  /* 32 values: fp16 d, fp16 m, 16 bytes of nibbles as Q4_0; v = q*d + m */
   TM_Q5_0 = 6,  /* 32 values: fp16 d, 32 fifth bits (uint32, bit j = value j), 16 bytes of nibbles as Q4_0;
                  * v = (q-16)*d */
+  TM_Q5_1 = 7,  /* 32 values: fp16 d, fp16 m, the fifth bits as Q5_0's, 16 bytes of nibbles as Q4_0; v = q*d + m */
   TM_Q8_0 = 8,  /* 32 values: fp16 d, 32 int8; v = q*d */
   TM_Q4_K = 12, /* 256 values in 8 sub-blocks of 32: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[j] and mins
                  * m[j], 128 bytes of nibbles (bytes 32c..32c+31: low nibbles = sub-block 2c, high = 2c+1);
                  * v = (d*sc[j])*q - dmin*m[j] */
+  TM_Q5_K = 13, /* Q4_K with a fifth bit: fp16 d, fp16 dmin, 12 bytes of scales and mins as Q4_K's, 32 bytes qh
+                 * (bit j of qh[l] is the fifth bit of value l of sub-block j), 128 bytes of nibbles as Q4_K's */
   TM_Q6_K = 14, /* 256 values in 16 sub-blocks of 16: 128 bytes of low nibbles ql, 64 bytes of 2-bit high parts qh,
                  * 16 int8 scales, fp16 d; v = (d*scale[s])*(q-32) (value layout: ggml's dequantize_row_q6_K) */
   TM_BF16 = 30, /* bfloat16 */

@@ -51,8 +51,10 @@ _FILE_TYPE = {  # general.file_type (llama.cpp's LlamaFileType) for a file whose
     QuantType.Q4_0: 2,
     QuantType.Q4_1: 3,
     QuantType.Q5_0: 8,
+    QuantType.Q5_1: 9,
     QuantType.Q8_0: 7,
     QuantType.Q4_K: 14,
+    QuantType.Q5_K: 16,
     QuantType.Q6_K: 18,
     QuantType.BF16: 32,
 }

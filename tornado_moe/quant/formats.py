@@ -10,10 +10,13 @@ Layouts (little endian, one block covers ``block_size`` consecutive values of a 
   value = q * d + m (two float32 roundings: product first, then the sum).
 - Q5_0 (22 bytes): fp16 scale ``d``, a little-endian uint32 whose bit j is the fifth bit of value j, then 16
   bytes of nibbles as in Q4_0; value = (q - 16) * d.
+- Q5_1 (24 bytes): fp16 ``d``, fp16 ``m``, then as Q5_0; value = q * d + m.
 - Q4_K (144 bytes, 256 values in 8 sub-blocks of 32): fp16 ``d``, fp16 ``dmin``, 12 bytes packing a 6-bit
   scale ``sc[j]`` and minimum ``m[j]`` per sub-block, then 128 bytes of nibbles (bytes 32c..32c+31: low
   nibbles are sub-block 2c, high nibbles 2c + 1); value = (d * sc[j]) * q - dmin * m[j], each operation
   rounded.
+- Q5_K (176 bytes): Q4_K with 32 bytes of fifth bits between the scales and the nibbles: bit j of byte l is
+  the fifth bit of value l of sub-block j.
 - Q6_K (210 bytes, 256 values in 16 sub-blocks of 16): 128 bytes of low nibbles, 64 bytes of 2-bit high parts,
   16 int8 scales, fp16 ``d``; value = (d * scale[s]) * (q - 32). Value 128h + 32k + l (h < 2, k < 4, l < 32)
   takes nibble k // 2 of low byte 64h + 32(k % 2) + l and bits 2k, 2k + 1 of high byte 32h + l.
@@ -56,8 +59,10 @@ class QuantType(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
     BF16 = 30
 
@@ -73,11 +78,13 @@ _SIZES: dict[QuantType, tuple[int, int]] = {
     QuantType.Q4_0: (32, 18),
     QuantType.Q4_1: (32, 20),
     QuantType.Q5_0: (32, 22),
+    QuantType.Q5_1: (32, 24),
     QuantType.Q4_K: (256, 144),
+    QuantType.Q5_K: (256, 176),
     QuantType.Q6_K: (256, 210),
 }
 #: the K types: 256-value super-blocks, quantized by libgguf
-K_TYPES: frozenset[QuantType] = frozenset({QuantType.Q4_K, QuantType.Q6_K})
+K_TYPES: frozenset[QuantType] = frozenset({QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K})
 
 
 # Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m, Q4_K's dmin) and of
@@ -88,11 +95,14 @@ FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q4_0: (0,),
     QuantType.Q4_1: (0, 2),
     QuantType.Q5_0: (0,),
+    QuantType.Q5_1: (0, 2),
     QuantType.Q4_K: (0, 2),
+    QuantType.Q5_K: (0, 2),
     QuantType.Q6_K: (208,),
 }
 CODES_OFFSET: dict[QuantType, int] = {QuantType.Q8_0: 2, QuantType.Q4_0: 2, QuantType.Q4_1: 4,
-                                      QuantType.Q5_0: 6, QuantType.Q4_K: 16, QuantType.Q6_K: 0}
+                                      QuantType.Q5_0: 6, QuantType.Q5_1: 8, QuantType.Q4_K: 16,
+                                      QuantType.Q5_K: 48, QuantType.Q6_K: 0}
 
 
 def block_size(qt: QuantType) -> int:
@@ -193,26 +203,38 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
             q = _nibbles(codes).astype(np.float32)
             out = q * d + m
         elif qtype == QuantType.Q5_0:
-            high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [n, 1]: bit j = value j's fifth bit
-            fifth = ((high >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
-            q = ((_nibbles(codes) | (fifth << np.uint8(4))).astype(np.int8) - np.int8(16)).astype(np.float32)
+            q = (_five_bit_codes(blocks, codes).astype(np.int8) - np.int8(16)).astype(np.float32)
             out = q * d
+        elif qtype == QuantType.Q5_1:
+            m = _fp16_column(blocks, FP16_FIELDS[qtype][1])
+            out = _five_bit_codes(blocks, codes).astype(np.float32) * d + m
         else:  # pragma: no cover - every QuantType is handled above
             raise AssertionError(qtype)
     return out.reshape(shape)
 
 
+def _five_bit_codes(blocks: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: [n, 32] uint8 codes, the nibbles plus the fifth bits of the uint32 just before them."""
+    at = blocks.shape[1] - 20
+    high = np.ascontiguousarray(blocks[:, at:at + 4]).view("<u4")  # [n, 1]: bit j = value j's fifth bit
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    return _nibbles(codes) | (fifth << np.uint8(4))
+
+
 def _dequantize_k(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> np.ndarray:
-    """Q4_K / Q6_K blocks [n, bytes] to values [n, 256] (layouts in the module docstring)."""
+    """Q4_K / Q5_K / Q6_K blocks [n, bytes] to values [n, 256] (layouts in the module docstring)."""
     n = blocks.shape[0]
-    if qtype == QuantType.Q4_K:
+    if qtype in (QuantType.Q4_K, QuantType.Q5_K):
         dmin = _fp16_column(blocks, FP16_FIELDS[qtype][1])
         s = blocks[:, 4:16].astype(np.int32)
         lo, hi = s[:, 0:4], s[:, 8:12]  # scales' and mins' low bits of sub-blocks 4..7 live in bytes 8..11
         sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=1)
         m = np.concatenate([s[:, 4:8] & 63, (hi >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-        qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+        qs = blocks[:, CODES_OFFSET[qtype]:].reshape(n, 4, 1, 32)
         q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+        if qtype == QuantType.Q5_K:  # bit j of qh[l]: value l of sub-block j
+            qh = blocks[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]
+            q = q | ((qh & np.uint8(1)) << np.uint8(4))
         dl = (d * sc.astype(np.float32))[:, :, None]
         ml = (dmin * m.astype(np.float32))[:, :, None]
         return (dl * q.astype(np.float32) - ml).reshape(n, 256)

@@ -8,17 +8,17 @@ Speed matters (the full model is ~15 GB and must be written in about a minute), 
 never produced by quantizing floats. Random bits are drawn straight into the block layout and two cheap bit
 operations make them valid and well-scaled:
 
-- codes: OR-ing 1 into every int8 code (Q8_0) or 0x11 into every nibble pair (Q4_0/Q4_1/Q5_0/Q4_K, Q6_K's low
-  nibbles) makes them odd, so the decoded values are symmetric around 0 and never zero (Q8_0: -127..127, Q4:
-  (q-8) in -7..7, Q5_0: (q-16) in -15..15, Q6_K: (q-32) in -31..31).
-- K types: Q4_K's mins equal its scales (odd 6-bit values) and dmin = 8 d, so a value is d*sc*(q-8) exactly;
-  Q6_K's int8 scales are odd, in [1, 15]. A K-type model stores the matrices whose rows are not whole
-  256-value super-blocks as llama.cpp does (Q4_K -> Q5_0, Q6_K -> Q8_0): Qwen1.5-MoE's expert down rows of
-  1408, say.
+- codes: OR-ing 1 into every int8 code (Q8_0) or 0x11 into every nibble pair (the 4- and 5-bit formats, Q6_K's
+  low nibbles) makes them odd, so the decoded values are symmetric around 0 and never zero (Q8_0: -127..127,
+  Q4: (q-8) in -7..7, Q5: (q-16) in -15..15, Q6_K: (q-32) in -31..31).
+- K types: Q4_K's and Q5_K's mins equal their scales (odd 6-bit values) and dmin = 8 d (16 d), so a value is
+  d*sc*(q-8) (d*sc*(q-16)) exactly; Q6_K's int8 scales are odd, in [1, 15]. A K-type model stores the
+  matrices whose rows are not whole 256-value super-blocks as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1,
+  Q6_K -> Q8_0): Qwen1.5-MoE's expert down rows of 1408, say.
 - scales: the fp16 ``d`` keeps 10 random mantissa bits under a fixed exponent, i.e. ``d`` is uniform in
   [2^k, 2^(k+1)), with k chosen so the weights' RMS is about 1/sqrt(fan-in) (0.022 at hidden 2048), which
   keeps activations near unit scale through the layers. Q4_1's ``m`` is exactly ``-8 d`` (exponent + 3, sign
-  bit set).
+  bit set), Q5_1's ``-16 d``.
 - F16 weights: random sign and mantissa under a fixed exponent (magnitudes uniform in [2^k, 2^(k+1))).
 
 F32 tensors (norms near 1, router rows with std 1/sqrt(H) so each token's top-k differs, biases, the shared
@@ -62,18 +62,21 @@ __all__ = [
 ]
 
 WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
-                                        QuantType.Q4_K, QuantType.Q6_K, QuantType.F16)
+                                        QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+                                        QuantType.F16)
 """Types the generator can draw 2-D/3-D weight matrices in."""
 
 # What llama.cpp stores a K-type matrix in when its rows are not whole super-blocks (llama_tensor_get_type).
-K_FALLBACK = {QuantType.Q4_K: QuantType.Q5_0, QuantType.Q6_K: QuantType.Q8_0}
+K_FALLBACK = {QuantType.Q4_K: QuantType.Q5_0, QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0}
 
 _FILE_TYPE = {
     QuantType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
     QuantType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
     QuantType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
     QuantType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
+    QuantType.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
     QuantType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
+    QuantType.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_S,
     QuantType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
     QuantType.F16: gguf.LlamaFileType.MOSTLY_F16,
 }
@@ -87,7 +90,9 @@ _CODE_RMS = {
     QuantType.Q4_0: math.sqrt(21.0),
     QuantType.Q4_1: math.sqrt(21.0),
     QuantType.Q5_0: math.sqrt(85.0),
+    QuantType.Q5_1: math.sqrt(85.0),
     QuantType.Q4_K: math.sqrt(21.0 * 1365.0),
+    QuantType.Q5_K: math.sqrt(85.0 * 1365.0),
     QuantType.Q6_K: math.sqrt(341.0 * 85.0),
     QuantType.F16: 1.0,
 }
@@ -320,8 +325,8 @@ def _parse_qtype(qtype: QuantType | str) -> QuantType:
 def _exponent_field(qtype: QuantType, std: float) -> int:
     """fp16 exponent field k+15 such that codes * d, d uniform in [2^k, 2^(k+1)), have RMS close to std."""
     k = round(math.log2(std / (_CODE_RMS[qtype] * _SCALE_RMS)))
-    # Normal fp16 numbers only; Q4_1's m = -8 d and Q4_K's dmin = 8 d need three more exponent steps.
-    return min(max(k + 15, 1), 27)
+    # Normal fp16 numbers only; Q5_1's m = -16 d and Q5_K's dmin = 16 d need four more exponent steps.
+    return min(max(k + 15, 1), 26)
 
 
 def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.ndarray:
@@ -353,13 +358,14 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
         codes |= np.uint8(0x01)
     elif qt in (QuantType.Q4_0, QuantType.Q5_0):
         codes |= np.uint8(0x11)
-    elif qt == QuantType.Q4_1:
+    elif qt in (QuantType.Q4_1, QuantType.Q5_1):
         m = blocks[:, fields[1]:fields[1] + 2].view("<u2")
-        np.bitwise_or(d + np.uint16(3 << 10), np.uint16(0x8000), out=m)  # m = -8 d exactly
+        steps = np.uint16((3 if qt == QuantType.Q4_1 else 4) << 10)
+        np.bitwise_or(d + steps, np.uint16(0x8000), out=m)  # m = -8 d (Q5_1: -16 d) exactly
         codes |= np.uint8(0x11)
-    elif qt == QuantType.Q4_K:
+    elif qt in (QuantType.Q4_K, QuantType.Q5_K):
         dmin = blocks[:, fields[1]:fields[1] + 2].view("<u2")
-        np.add(d, np.uint16(3 << 10), out=dmin)  # dmin = 8 d exactly
+        np.add(d, np.uint16((3 if qt == QuantType.Q4_K else 4) << 10), out=dmin)  # dmin = 8 d (16 d) exactly
         s = blocks[:, 4:16]
         s[:, 0:4] |= np.uint8(0x01)  # odd scales: sub-blocks 0-3 in the low 6 bits of bytes 0-3 ...
         s[:, 8:12] = (s[:, 8:12] & np.uint8(0x0F)) | np.uint8(0x01)  # ... 4-7 in the low 4 bits of 8-11
