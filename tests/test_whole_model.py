@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _gguf_fixtures import llama_spec, write_gguf_file
+from _gguf_fixtures import llama_spec, qwen2moe_spec, write_gguf_file
 from conftest import GPU, device_params
 
 from tornado_moe.engine import Engine, EngineOptions
@@ -74,13 +74,39 @@ def test_k_quant_models_match_the_reference_and_keep_every_promise(tmp_path, dev
 
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_random_model(path, PRESETS["tiny"].with_overrides(qtype=qtype), seed=3, progress=False)
-    model = load_model(path)
+    _matches_the_reference_and_every_variant_agrees(load_model(path), device)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_a_q4_k_m_style_mix_of_formats(tmp_path, device: str) -> None:
+    """Formats mixed per tensor as llama.cpp's Q4_K_M leaves a Qwen1.5-MoE: Q4_K matrices, Q6_K for attn_v in
+    one layer, the shared down and the output, the expert downs (rows of 128 values) in Q5_0. The layer graphs
+    then take the unfused qkv (q, k, v in two formats) and two down launches."""
+    from tornado_moe.quant.formats import QuantType
+
+    keys, tensors = qwen2moe_spec(hidden=256, n_heads=4, n_kv=2, vocab=96, n_exp=4, top_k=2, expert_ffn=128,
+                                  shared_ffn=256)
+    six = {"blk.0.attn_v.weight", "blk.0.ffn_down_shexp.weight", "blk.1.ffn_down_shexp.weight",
+           "output.weight"}
+    for name, value in list(tensors.items()):
+        if value.ndim < 2 or name.endswith("ffn_gate_inp.weight"):
+            continue
+        qt = QuantType.Q6_K if name in six else QuantType.Q5_0 if "ffn_down_exps" in name else QuantType.Q4_K
+        tensors[name] = (value, qt)
+    model = load_model(write_gguf_file(tmp_path / "q4km.gguf", "qwen2moe", keys, tensors))
+    kinds = ("attn_q", "attn_v", "ffn_down_exps", "ffn_down_shexp")
+    assert {model.layer(0)[n].qtype.name for n in kinds} == {"Q4_K", "Q6_K", "Q5_0"}
+    _matches_the_reference_and_every_variant_agrees(model, device)
+
+
+def _matches_the_reference_and_every_variant_agrees(model: GGUFModel, device: str) -> None:
+    """Logits within float32 rounding of the float64 reference; fused == per-slot and the prompt in one step
+    == token by token, bit for bit (tokens and every step's logits)."""
     assert _rel_err_vs_reference(model, IDS, device) < 2e-4
-    runs = {(fuse, chunk): _trace(Engine(model, EngineOptions(device=device, fuse_experts=fuse,
-                                                              prefill_chunk=chunk)), IDS, 5)
-            for fuse in (True, False) for chunk in (1, 128)}
-    first = runs[(True, 128)]
-    assert all(r == first for r in runs.values())
+    options = [EngineOptions(device=device, fuse_experts=fuse, prefill_chunk=chunk)
+               for fuse in (True, False) for chunk in (1, 128)]
+    runs = [_trace(Engine(model, o), IDS, 5) for o in options]
+    assert all(r == runs[0] for r in runs)
 
 
 def test_default_model_matches_the_reference(default_model: GGUFModel) -> None:
