@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a random-weight GGUF MoE model with real shapes (test and benchmark model)",
         description=(
             "Write a qwen2moe GGUF file with random weights: the real tensor names, shapes, quant types "
-            "and metadata of the chosen preset, with random int8/int4 codes and fp16 scales (no trained "
-            "weights). The file depends only on the options and --seed."
+            "and metadata of the chosen preset, with random codes and fp16 scales in the block formats (no "
+            "trained weights). The file depends only on the options and --seed."
         ),
     )
     parser.add_argument(
