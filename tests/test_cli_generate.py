@@ -138,6 +138,7 @@ def test_profiler_table_and_dump(tiny_model_path: Path, tmp_path: Path, capsys: 
                          str(tmp_path / "prof"), "--verbose-init")
     assert rc == 0, err
     assert "init: load" in err and "warm-up step" in err and "launches per token" in err
+    assert "init: tensor formats: Q8_0 " in err and "F32 " in err
     assert "router_experts_ffn" in err
     summary(err)
     (dump,) = (tmp_path / "prof").glob("*.json")

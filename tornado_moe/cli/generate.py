@@ -248,6 +248,13 @@ def _report_init(engine: Engine, path: Path, t_load: float, t_init: float, log: 
     nbytes = sum(t.nbytes for t in engine.model.tensors.values())
     print(f"init: model {path} ({nbytes / 1e9:.3f} GB)", file=log)
     print(f"init: {cfg.describe()}", file=log)
+    by_type: dict[str, list[int]] = {}
+    for t in engine.model.tensors.values():
+        n = by_type.setdefault(t.qtype.name, [0, 0])
+        n[0] += 1
+        n[1] += t.nbytes
+    print("init: tensor formats: " + ", ".join(f"{name} {n} ({b / 1e9:.3f} GB)" for name, (n, b) in
+                                             sorted(by_type.items(), key=lambda kv: -kv[1][1])), file=log)
     print(f"init: load (parse + mmap) {1e3 * t_load:.1f} ms", file=log)
     print(f"init: weight upload + task graphs on {engine.device} {1e3 * t_init:.1f} ms "
           f"({nbytes / 1e9 / max(t_init, 1e-9):.2f} GB/s)", file=log)
