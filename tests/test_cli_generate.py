@@ -294,17 +294,17 @@ def test_llama_tornado_translates_its_flags(text_model: Path) -> None:
     for flag in ("--model", "--prompt", "--system-prompt", "--temperature", "--top-p", "--seed",
                  "--max-tokens", "--stream", "--echo", "--interactive", "--instruct", "--gpu", "--profiler",
                  "--profiler-dump-dir", "--verbose-init", "--route", "--cuda-graphs", "--steps-per-graph",
-                 "--per-slot"):
+                 "--prefill-chunk", "--per-slot"):
         assert flag in help_text, flag
     shown = subprocess.run([*launcher, "--model", "m.gguf", "--gpu", "-n", "9", "--stream", "false", "--echo",
                             "true", "--instruct", "-sp", "sys", "--prompt", "hi", "--steps-per-graph", "4",
-                            "--show-command"],
+                            "--prefill-chunk", "32", "--show-command"],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     words = shown.stdout.split()
     assert words[:4] == [sys.executable, "-m", "tornado_moe.cli.main", "generate"]
     for pair in (("--device", "cuda"), ("--max-tokens", "9"), ("--model", "m.gguf"),
-                 ("--system-prompt", "sys"), ("--steps-per-graph", "4")):
+                 ("--system-prompt", "sys"), ("--steps-per-graph", "4"), ("--prefill-chunk", "32")):
         assert words[words.index(pair[0]) + 1] == pair[1]
     assert {"--no-stream", "--echo", "--instruct"} <= set(words)
 
