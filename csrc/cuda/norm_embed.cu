@@ -4,7 +4,8 @@
  * embedding: a grid-stride loop over the n_tokens * dim output values (256 threads a block, at most 16 blocks per
  *   SM); each value is decoded exactly as gguf's dequantizer does (quant_blocks.h's operations: Q8_0 q*d, Q4_0
  *   (q-8)*d, Q4_1 q*d + m, Q4_K (d*sc)*q - dmin*m, ..., each a rounded float32 operation), so rows are bitwise
- *   equal to gguf.quants.dequantize and to the CPU kernel. A token id outside [0, vocab) cannot be reported from the device: its row is filled with NaN.
+ *   equal to gguf.quants.dequantize and to the CPU kernel. A token id outside [0, vocab) cannot be reported
+ *   from the device: its row is filled with NaN.
  * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
  *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
  *   (x is therefore read with plain loads). rmsnorm_factors: the same blocks; warp 0 evaluates the deferred form's

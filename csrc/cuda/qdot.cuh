@@ -13,9 +13,9 @@
  *   the in-block sum an fma chain; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q4_K/Q5_K: per
  *   sub-block of the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q6_K: per
  *   sub-block of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane
- *   accumulators are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics, so the
- *   compiler cannot contract or reorder it differently in different instantiations: a row's result does not
- *   depend on how many rows or tokens the calling warp handles at once, nor on the load width.
+ *   accumulators are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics,
+ *   so the compiler cannot contract or reorder it differently in different instantiations: a row's result does
+ *   not depend on how many rows or tokens the calling warp handles at once, nor on the load width.
  *
  * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned); Q8_0 rows
  * re-laid out as TM_Q8_0_TILED with 16- and 8-byte loads (warp_dot_q8t); fp16/bf16/f32 rows in the x4 layouts as
