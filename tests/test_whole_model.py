@@ -127,19 +127,29 @@ def test_default_model_generates_paris(default_model: GGUFModel) -> None:
 ROUTE_CASES = [
     pytest.param("tiny", "cpu", id="tiny-cpu"),
     pytest.param("default", "cpu", id="default-cpu"),
+    pytest.param("tiny-q5_k", "cpu", id="tiny-q5_k-cpu"),  # K types and their fallback, mixed per tensor
     pytest.param("tiny", "cuda", id="tiny-cuda", marks=pytest.mark.gpu),
+    pytest.param("tiny-q5_k", "cuda", id="tiny-q5_k-cuda", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.mark.java
 @pytest.mark.parametrize("which,device", ROUTE_CASES)
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "per-slot"])
-def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_model_path,
+def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_model_path, tmp_path,
                                                      request: pytest.FixtureRequest) -> None:
     if device == "cuda" and not GPU:
         pytest.skip("needs a CUDA GPU")
-    # The default model only where a case uses it: its source package need not exist on a GPU machine.
-    model = load_model(tiny_model_path if which == "tiny" else request.getfixturevalue("default_model_file"))
+    if which == "tiny":
+        path = tiny_model_path
+    elif which == "tiny-q5_k":
+        from tornado_moe.synth.random_model import PRESETS, write_random_model
+
+        path = write_random_model(tmp_path / "q5k.gguf", PRESETS["tiny"].with_overrides(qtype="Q5_K"),
+                                  progress=False)
+    else:  # the default model only where a case uses it: its source package need not exist on a GPU machine
+        path = request.getfixturevalue("default_model_file")
+    model = load_model(path)
     n_new = 4 if which == "default" else 10
     graphs = device == "cuda"
     runs = {}
@@ -147,7 +157,7 @@ def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_m
         opts = EngineOptions(device=device, route=route, fuse_experts=fuse, cuda_graphs=graphs,
                              profiler=not graphs)
         eng = Engine(model, opts)
-        runs[route] = (_trace(eng, IDS if which == "tiny" else [504, 3575, 282, 4649, 314], n_new),
+        runs[route] = (_trace(eng, [504, 3575, 282, 4649, 314] if which == "default" else IDS, n_new),
                        eng.plan.profiler_result().launches_by_graph() if not graphs else None)
     assert runs["torch"][0] == runs["java"][0]
     if not graphs:
