@@ -164,11 +164,17 @@ def test_profiler_table_and_dump(tiny_model_path: Path, tmp_path: Path, capsys: 
 
 # ---- text model ------------------------------------------------------------------------------------------
 
-def test_text_prompt_and_instruct_echo(text_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_text_prompt_and_instruct_echo(text_model: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(capsys, "generate", "--model", str(text_model), "--device", "cpu", "--prompt",
                            "the hat", "-n", "6", "--echo")
     assert rc == 0, err
     assert out.startswith("the hat")
+    (tmp_path / "prompt.txt").write_text("the hat\n")  # the same prompt from a file, its last newline dropped
+    rc, from_file, err = run_cli(capsys, "generate", "--model", str(text_model), "--device", "cpu", "-f",
+                                 str(tmp_path / "prompt.txt"), "-n", "6", "--echo")
+    assert rc == 0, err
+    assert from_file == out
     model = load_model(text_model)
     tok = Tokenizer.from_metadata(model.metadata)
     ids = tok.encode("the hat")
@@ -215,7 +221,7 @@ def test_interactive_chat_reuses_the_cache_and_answers_like_a_fresh_engine(
 
 @pytest.mark.parametrize("case", [
     "missing", "garbage", "directory", "too_long", "text_on_ids_model", "graphs_on_cpu", "interactive_ids",
-    "prompt_and_ids", "bad_ids", "id_out_of_vocab", "temperature", "top_p",
+    "prompt_and_ids", "file_and_prompt", "missing_file", "bad_ids", "id_out_of_vocab", "temperature", "top_p",
 ])
 def test_bad_input_is_one_error_line(case: str, tiny_model_path: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -233,6 +239,10 @@ def test_bad_input_is_one_error_line(case: str, tiny_model_path: Path, tmp_path:
                           ["--cuda-graphs"]),
         "interactive_ids": (["--model", tiny, "--prompt-ids", "1", "-i"], ["--interactive", "--prompt-ids"]),
         "prompt_and_ids": (["--model", tiny, "--prompt-ids", "1", "--prompt", "x"], ["--prompt"]),
+        "file_and_prompt": (["--model", tiny, "--file", str(tmp_path / "p.txt"), "--prompt", "x"],
+                            ["--prompt and --file"]),
+        "missing_file": (["--model", tiny, "--file", str(tmp_path / "none.txt")],
+                         ["none.txt", "cannot read"]),
         "bad_ids": (["--model", tiny, "--prompt-ids", "1,x"], ["'x'"]),
         "id_out_of_vocab": (["--model", tiny, "--prompt-ids", "1,512"], ["512"]),
         "temperature": (["--model", tiny, "--prompt-ids", "1", "--temperature", "-1"], ["--temperature"]),

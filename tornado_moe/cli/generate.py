@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--prompt", metavar="TEXT",
                    help=f"prompt text (default for text models: {DEFAULT_PROMPT!r}; with -i: the first "
                         "message)")
+    m.add_argument("-f", "--file", metavar="FILE",
+                   help="read the prompt text from FILE ('-': standard input), as --prompt takes it")
     m.add_argument("--prompt-ids", metavar="IDS",
                    help="the prompt as comma-separated token ids instead of text (the only way to prompt a "
                         "model without tokenizer)")
@@ -129,8 +131,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     from tornado_moe.engine import SamplerConfig
 
     SamplerConfig(args.temperature, args.top_p, args.top_k, args.seed)  # checks the sampling flags
-    if args.prompt is not None and args.prompt_ids is not None:
-        raise InputError("give either --prompt or --prompt-ids, not both")
+    sources = (("--prompt", args.prompt), ("--file", args.file), ("--prompt-ids", args.prompt_ids))
+    given = [flag for flag, value in sources if value is not None]
+    if len(given) > 1:
+        raise InputError(f"give one of --prompt, --file and --prompt-ids, not {' and '.join(given)}")
+    if args.file is not None:
+        args.prompt = _read_prompt_file(args.file)
     if args.prompt_ids is not None:
         for flag, on in (("--interactive", args.interactive), ("--instruct", args.instruct),
                          ("--system-prompt", args.system_prompt is not None)):
@@ -141,6 +147,18 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.cuda_graphs and args.device == "cpu":
         raise InputError("--cuda-graphs needs a CUDA device: use --device cuda (or auto on a GPU machine), "
                          "not --device cpu")
+
+
+def _read_prompt_file(name: str) -> str:
+    """The text of ``--file`` (``-``: standard input), without a final newline."""
+    if name == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(name).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--file {name}: cannot read the prompt: {e}") from None
+    return text[:-1] if text.endswith("\n") else text
 
 
 def run(args: argparse.Namespace) -> int:
