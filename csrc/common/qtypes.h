@@ -54,8 +54,9 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_row_bytes(int qtype, int64_t cols)
   return bs > 0 ? cols / bs * tm_qtype_block_bytes(qtype) : 0;
 }
 
-/* Codes of the formats whose bits are not a byte or a nibble at a fixed place (layouts in tornado_moe.h), one
- * definition for the CPU decoder and the CUDA embedding (the CUDA dot products unpack whole words the same way). */
+/* Codes of the formats whose bits are not a byte or a nibble at a fixed place (layouts in tornado_moe.h), value by
+ * value: the CUDA embedding's decoder. The CPU decoders (quant_blocks.h) and the CUDA dot products unroll the same
+ * layouts; the tests hold all of them to gguf's dequantizer, bit for bit. */
 /* Q5_0 / Q5_1: the 5-bit code q (0..31) of value c (0..31), from the fifth bits' uint32 at qh and the nibbles
  * after it (Q5_0's value is (q - 16) * d). */
 static inline TM_HOST_DEVICE int tm_q5_code(const uint8_t* qh, int c) {
