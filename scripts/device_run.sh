@@ -45,7 +45,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep
+STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep, formats
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -209,6 +209,17 @@ if want prefill; then  # prompt processing: the prompt in steps of 128 tokens ag
     --repeats 3 --compare fused,graphs,torch,batched-prefill,per-token-prefill --json "$OUT/bench_prefill.json" \
     > "$OUT/bench_prefill.log" 2>&1
   tail -4 "$OUT/bench_prefill.log"
+fi
+if want formats; then  # decode speed of the other weight formats (not a default stage): FORMATS="Q4_K,Q6_K,..."
+  for qt in ${FORMATS//,/ }; do
+    stamp "format $qt"
+    fmodel=/tmp/qwen15-moe-synth-$qt.gguf
+    timeout -k 10 "$(left 120)" $CLI synth --preset qwen1.5-moe-a2.7b --qtype "$qt" -o "$fmodel" --threads 16 \
+      --no-progress > "$OUT/synth_$qt.log" 2>&1
+    timeout -k 10 "$(left 120)" $CLI bench --model "$fmodel" --device cuda --prompt-tokens 16 -n 128 --repeats 3 \
+      --compare fused,graphs,torch --json "$OUT/bench_format_$qt.json" > "$OUT/bench_format_$qt.log" 2>&1
+    tail -3 "$OUT/bench_format_$qt.log"; rm -f "$fmodel"
+  done
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
   IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"
