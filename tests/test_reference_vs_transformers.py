@@ -1,9 +1,9 @@
 """The float64 reference model against transformers, through our own GGUF conversion and loader.
 
-transformers builds Qwen2Moe / Mixtral / Llama models from small configs with random weights (no hub), in
-float64 with eager attention and eager experts. We write them to GGUF (F32, weights pre-rounded to float32 so
-the file holds them exactly; llama files with llama.cpp's Q/K row permutation), load the file, and compare
-logits for a 7-token prefill and 3 single-token decode steps against transformers' own KV-cached run.
+transformers builds Qwen2Moe / Qwen3Moe / Mixtral / Llama models from small configs with random weights (no
+hub), in float64 with eager attention and eager experts. We write them to GGUF (F32, weights pre-rounded to
+float32 so the file holds them exactly; llama files with llama.cpp's Q/K row permutation), load the file, and
+compare logits for a 7-token prefill and 3 single-token decode steps against transformers' own KV-cached run.
 
 Tolerance: 1e-6 of the largest |logit|. transformers computes some pieces in float32 even in a float64
 model (RoPE cos/sin, the eager attention softmax, the MoE router softmax), which alone gives ~2e-7; any
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from _gguf_fixtures import smollm2_gguf_path
+from conftest import device_params
 
 from tornado_moe.convert import permute_for_interleaved_rope, write_hf_model_to_gguf
 from tornado_moe.errors import InputError
@@ -34,7 +35,7 @@ RTOL = 1e-6
 
 
 def _build_hf(kind: str) -> torch.nn.Module:
-    torch.manual_seed({"qwen2moe": 0, "mixtral": 1, "llama": 2}[kind])
+    torch.manual_seed({"qwen2moe": 0, "mixtral": 1, "llama": 2, "qwen3moe": 3}[kind])
     common = dict(
         vocab_size=96,
         hidden_size=64,
@@ -59,6 +60,19 @@ def _build_hf(kind: str) -> torch.nn.Module:
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )
         model = transformers.Qwen2MoeForCausalLM(cfg)
+    elif kind == "qwen3moe":  # head_dim 32: q and the attention output are wider than hidden, as in Qwen3
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(
             **common,
@@ -109,7 +123,7 @@ def _hf_logits_incremental(
     return torch.cat(logits), seq
 
 
-@pytest.mark.parametrize("kind", ["qwen2moe", "mixtral", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe", "mixtral", "llama"])
 def test_reference_matches_transformers(tmp_path: Path, kind: str) -> None:
     hf = _build_hf(kind)
     path = tmp_path / f"{kind}.gguf"
@@ -136,6 +150,38 @@ def test_reference_matches_transformers(tmp_path: Path, kind: str) -> None:
 
     # greedy generation agrees with the logits we just checked
     assert ref.generate_greedy(PROMPT, 3) == seq[len(PROMPT) :]
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_engine_runs_qwen3moe_as_the_reference(tmp_path: Path, device: str) -> None:
+    """The engine on the converted Qwen3-MoE (per-head q/k norms as two rmsnorm tasks, no shared expert, top-k
+    renormalised, head_dim * heads != hidden): logits within float32 rounding of the float64 reference, and
+    fused == per-slot, the prompt in one step == token by token, bit for bit."""
+    from tornado_moe.engine import Engine, EngineOptions
+
+    path = tmp_path / "qwen3moe.gguf"
+    write_hf_model_to_gguf(_build_hf("qwen3moe"), path, qtype=QuantType.F32)
+    model = load_model(path)
+    assert model.config.qk_norm and model.config.normalize_topk and not model.config.shared_ffn
+    ref = ReferenceModel(model)
+    expect = ref.forward(PROMPT, ref.new_cache(16)).numpy()
+    runs = []
+    for fuse in (True, False):
+        for chunk in (1, 128):
+            eng = Engine(model, EngineOptions(device=device, fuse_experts=fuse, prefill_chunk=chunk))
+            if (fuse, chunk) == (True, 1):
+                got = []
+                for t in PROMPT:
+                    eng.feed(t)
+                    got.append(eng.last_logits().cpu().numpy().astype(np.float64))
+                assert np.abs(np.stack(got) - expect).max() / np.abs(expect).max() < 2e-4
+                eng.reset()
+            rows: list[np.ndarray] = []
+            tokens, _ = eng.generate(PROMPT, 5, on_logits=lambda r, rows=rows: rows.append(r.cpu().numpy()))
+            runs.append((tokens, np.stack(rows).tobytes()))
+            assert {"attn_q_norm", "attn_k_norm"} <= {t.name for t in eng.graphs[1].tasks}
+            eng.close()
+    assert all(r == runs[0] for r in runs)
 
 
 def test_routing_is_not_degenerate_and_differs_when_renormalised(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ _F32_SUFFIXES = (
     "attn_q.bias",
     "attn_k.bias",
     "attn_v.bias",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
     "ffn_gate_inp.weight",
     "ffn_gate_inp_shexp.weight",
 )
@@ -91,11 +93,12 @@ def _add_config_keys(writer: Any, c: ModelConfig, name: str) -> None:
         if c.is_moe:
             writer.add_uint32("llama.expert_count", c.n_experts)
             writer.add_uint32("llama.expert_used_count", c.top_k)
-    else:  # qwen2moe
-        writer.add_uint32("qwen2moe.expert_count", c.n_experts)
-        writer.add_uint32("qwen2moe.expert_used_count", c.top_k)
-        writer.add_uint32("qwen2moe.expert_feed_forward_length", c.expert_ffn)
-        writer.add_uint32("qwen2moe.expert_shared_feed_forward_length", c.shared_ffn)
+    else:  # qwen2moe, qwen3moe
+        writer.add_uint32(f"{a}.expert_count", c.n_experts)
+        writer.add_uint32(f"{a}.expert_used_count", c.top_k)
+        writer.add_uint32(f"{a}.expert_feed_forward_length", c.expert_ffn)
+        if c.shared_ffn:
+            writer.add_uint32(f"{a}.expert_shared_feed_forward_length", c.shared_ffn)
 
 
 def write_gguf(
@@ -218,6 +221,31 @@ def hf_config_to_model_config(hf_cfg: Any) -> ModelConfig:
             qkv_bias=bool(hf_cfg.qkv_bias),
             **common,
         )
+    if mt == "qwen3_moe":
+        if hf_cfg.mlp_only_layers or hf_cfg.decoder_sparse_step != 1:
+            raise UnsupportedModelError(
+                "transformers qwen3_moe: dense layers (mlp_only_layers / sparse step)"
+            )
+        if getattr(hf_cfg, "use_sliding_window", False):
+            raise UnsupportedModelError("transformers qwen3_moe: sliding-window attention is not supported")
+        if not hf_cfg.norm_topk_prob:
+            raise UnsupportedModelError(
+                "transformers qwen3_moe: norm_topk_prob=False cannot be expressed in GGUF (llama.cpp "
+                "renormalises qwen3moe's top-k weights)"
+            )
+        return ModelConfig(
+            arch="qwen3moe",
+            neox_rope=True,
+            n_experts=hf_cfg.num_experts,
+            top_k=hf_cfg.num_experts_per_tok,
+            expert_ffn=hf_cfg.moe_intermediate_size,
+            shared_ffn=0,
+            dense_ffn=0,
+            normalize_topk=True,
+            qkv_bias=bool(getattr(hf_cfg, "attention_bias", False)),
+            qk_norm=True,
+            **common,
+        )
     if mt == "mixtral":
         if getattr(hf_cfg, "sliding_window", None):
             raise UnsupportedModelError("transformers mixtral: sliding-window attention is not supported")
@@ -253,7 +281,7 @@ def hf_config_to_model_config(hf_cfg: Any) -> ModelConfig:
             **common,
         )
     raise UnsupportedModelError(
-        f"transformers model type {mt!r} is not supported (qwen2_moe, mixtral, llama)"
+        f"transformers model type {mt!r} is not supported (qwen2_moe, qwen3_moe, mixtral, llama)"
     )
 
 
@@ -285,6 +313,9 @@ def _hf_weights(hf_model: Any, c: ModelConfig) -> dict[str, np.ndarray]:
             w[p + "attn_q.bias"] = qb
             w[p + "attn_k.bias"] = kb
             w[p + "attn_v.bias"] = _np(att.v_proj.bias)
+        if c.qk_norm:
+            w[p + "attn_q_norm.weight"] = _np(att.q_norm.weight)
+            w[p + "attn_k_norm.weight"] = _np(att.k_norm.weight)
         w[p + "attn_output.weight"] = _np(att.o_proj.weight)
         w[p + "ffn_norm.weight"] = _np(layer.post_attention_layernorm.weight)
         mlp = layer.mlp

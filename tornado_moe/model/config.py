@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHS"]
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("qwen2moe", "llama")
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen2moe", "qwen3moe", "llama")
 
 
 @dataclass(frozen=True)
@@ -18,12 +18,13 @@ class ModelConfig:
     """Hyper-parameters of a decoder-only transformer with a dense or Mixture-of-Experts FFN.
 
     Field semantics:
-      - ``neox_rope``: True rotates pairs (i, i + d/2) (qwen2moe); False rotates interleaved pairs
+      - ``neox_rope``: True rotates pairs (i, i + d/2) (qwen2moe, qwen3moe); False rotates interleaved pairs
         (2i, 2i+1), the layout GGUF ``llama`` files store their permuted Q/K rows in.
       - ``n_experts`` = 0 means a dense FFN of size ``dense_ffn``; otherwise ``top_k`` experts of size
         ``expert_ffn`` are routed per token and ``shared_ffn`` (> 0 for qwen2moe) is the gated shared expert.
       - ``normalize_topk``: whether the selected softmax probabilities are renormalised to sum to 1
-        (False for qwen2moe, True for Mixtral-style llama files).
+        (False for qwen2moe, True for qwen3moe and Mixtral-style llama files).
+      - ``qk_norm``: q and k get an RMSNorm per head (weights of ``head_dim``) before RoPE (qwen3moe).
       - ``tied_output``: the file has no ``output.weight``; logits use ``token_embd.weight``.
     """
 
@@ -46,6 +47,7 @@ class ModelConfig:
     normalize_topk: bool
     qkv_bias: bool
     tied_output: bool
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         # Catch inconsistent configs at construction: everything downstream trusts these invariants.
@@ -103,7 +105,8 @@ class ModelConfig:
             ffn = f"dense ffn {self.dense_ffn}"
         return (
             f"{self.arch}: {self.n_layers} layers, hidden {self.hidden}, attn {attn}"
-            f"{' +qkv bias' if self.qkv_bias else ''}, {ffn}, vocab {self.vocab}, ctx {self.context_length}, "
+            f"{' +qkv bias' if self.qkv_bias else ''}{' +qk norm' if self.qk_norm else ''}"
+            f", {ffn}, vocab {self.vocab}, ctx {self.context_length}, "
             f"rope {'neox' if self.neox_rope else 'normal'} theta {self.rope_theta:g}, eps {self.rms_eps:g}"
             f"{', tied output' if self.tied_output else ''}"
         )

@@ -35,6 +35,8 @@ LAYER_TENSOR_NAMES: dict[str, str] = {
     "attn_q_bias": "attn_q.bias",
     "attn_k_bias": "attn_k.bias",
     "attn_v_bias": "attn_v.bias",
+    "attn_q_norm": "attn_q_norm.weight",
+    "attn_k_norm": "attn_k_norm.weight",
     "attn_output": "attn_output.weight",
     "ffn_norm": "ffn_norm.weight",
     "ffn_gate_inp": "ffn_gate_inp.weight",
@@ -58,6 +60,8 @@ _F32_ONLY = frozenset(
         "attn_q_bias",
         "attn_k_bias",
         "attn_v_bias",
+        "attn_q_norm",
+        "attn_k_norm",
         "ffn_gate_inp",
         "ffn_gate_inp_shexp",
     }
@@ -395,10 +399,10 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
     out = v.take("output.weight", (vocab, hidden), required=False)
 
     qkv_bias = v.present("blk.0.attn_q.bias")
-    if arch == "qwen2moe":
-        n_exp = _positive(path, "qwen2moe.expert_count", k.get_int("{arch}.expert_count", required=True))
+    if arch in ("qwen2moe", "qwen3moe"):
+        n_exp = _positive(path, f"{arch}.expert_count", k.get_int("{arch}.expert_count", required=True))
         top_k = _positive(
-            path, "qwen2moe.expert_used_count", k.get_int("{arch}.expert_used_count", required=True)
+            path, f"{arch}.expert_used_count", k.get_int("{arch}.expert_used_count", required=True)
         )
     else:
         n_exp = k.get_int("{arch}.expert_count", 0)
@@ -441,15 +445,17 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
             context_length=ctx,
             rms_eps=eps,
             rope_theta=theta,
-            neox_rope=arch == "qwen2moe",
+            neox_rope=arch in ("qwen2moe", "qwen3moe"),
             n_experts=n_exp,
             top_k=top_k,
             expert_ffn=expert_ffn,
             shared_ffn=shared_ffn,
             dense_ffn=dense_ffn,
-            normalize_topk=arch == "llama" and n_exp > 0,
+            # llama.cpp renormalises Mixtral's and qwen3moe's top-k weights, never qwen2moe's
+            normalize_topk=arch in ("llama", "qwen3moe") and n_exp > 0,
             qkv_bias=qkv_bias,
             tied_output=out is None,
+            qk_norm=arch == "qwen3moe",
         )
     except ValueError as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from e
@@ -471,6 +477,8 @@ def _validate_layer(v: _Validator, c: ModelConfig, i: int) -> dict[str, QTensor 
     }
     if c.qkv_bias:
         expect.update({"attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (kv,)})
+    if c.qk_norm:
+        expect.update({"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)})
     if c.is_moe:
         expect.update(
             {
@@ -505,8 +513,9 @@ def _validate_layer(v: _Validator, c: ModelConfig, i: int) -> dict[str, QTensor 
 def load_model(path: str | os.PathLike[str]) -> GGUFModel:
     """Open ``path`` (memory-mapped), validate it and return a :class:`GGUFModel`.
 
-    Supported: ``qwen2moe`` (routed + shared experts) and ``llama``, dense or with experts stored as
-    Mixtral GGUFs do (3-D ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Supported: ``qwen2moe`` (routed + shared experts), ``qwen3moe`` (routed experts, renormalised, and an
+    RMSNorm per head on q and k) and ``llama``, dense or with experts stored as Mixtral GGUFs do (3-D
+    ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, Q4_K, Q5_K, Q6_K (any mix, per tensor, as llama.cpp's K-quant files have); norms, biases and router
     weights must be F32.
     """

@@ -5,13 +5,15 @@ It dequantizes each weight once (with :func:`tornado_moe.quant.formats.dequantiz
 clarity, not speed:
 
 - ``rmsnorm(x) = x / sqrt(mean(x^2) + eps) * w``
-- q, k, v = W x (+ bias); RoPE on q and k with angle ``pos * theta^(-2i/d)`` for pair i: NEOX pairs
-  (i, i + d/2) for qwen2moe, interleaved pairs (2i, 2i+1) for GGUF llama files (their Q/K rows are permuted)
+- q, k, v = W x (+ bias); qwen3moe: an RMSNorm of each head of q and k (weights of head_dim); RoPE on q and
+  k with angle ``pos * theta^(-2i/d)`` for pair i: NEOX pairs (i, i + d/2) for qwen2moe and qwen3moe,
+  interleaved pairs (2i, 2i+1) for GGUF llama files (their Q/K rows are permuted)
 - grouped-query causal attention, softmax of ``q.k / sqrt(head_dim)``; ``x += Wo attn``
 - FFN on ``h = rmsnorm(x)``: dense ``down(silu(gate h) * up h)``, or MoE: ``p = softmax(Wr h)`` over all
-  experts, top-k by p (ties to the lowest expert id), weights = selected p (renormalised to sum 1 only for
-  Mixtral-style llama files), routed ``sum_s w_s down_e(silu(gate_e h) * up_e h)`` in slot order, plus the
-  qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)``; ``x += routed + shared``
+  experts, top-k by p (ties to the lowest expert id), weights = selected p (renormalised to sum 1 for
+  qwen3moe and Mixtral-style llama files), routed ``sum_s w_s down_e(silu(gate_e h) * up_e h)`` in slot
+  order, plus the qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)``;
+  ``x += routed + shared``
 - logits = ``output`` (or ``token_embd`` when tied) @ ``rmsnorm(x) * output_norm``
 """
 
@@ -122,6 +124,8 @@ class ReferenceModel:
         q = q.view(T, c.n_heads, c.head_dim)
         k = k.view(T, c.n_kv_heads, c.head_dim)
         v = v.view(T, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:  # an RMSNorm over each head's head_dim values
+            q, k = rmsnorm(q, L["attn_q_norm"], c.rms_eps), rmsnorm(k, L["attn_k_norm"], c.rms_eps)
         pos = torch.arange(pos0, pos0 + T)
         q = rope(q, pos, c.rope_theta, c.neox_rope)
         k = rope(k, pos, c.rope_theta, c.neox_rope)
