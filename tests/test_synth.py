@@ -216,6 +216,28 @@ def test_k_type_models_fall_back_as_llama_cpp_and_are_well_scaled(tmp_path: Path
     assert qwen["blk.0.ffn_gate_exps.weight"] == qwen["blk.0.ffn_down_shexp.weight"] == qtype
 
 
+def test_qwen3_preset_is_the_real_shape() -> None:
+    """Qwen3-30B-A3B's published config: q wider than hidden (32 heads of 128), 4 KV heads, 128 experts top-8
+    of 768, per-head q/k norms, no biases or shared expert."""
+    spec = PRESETS["qwen3-30b-a3b"]
+    shapes = {p.name: (p.shape, p.qtype) for p in plan_tensors(spec)}
+    assert shapes["blk.0.attn_q.weight"][0] == (4096, 2048)
+    assert shapes["blk.0.attn_k.weight"][0] == (512, 2048)
+    assert shapes["blk.0.attn_output.weight"][0] == (2048, 4096)
+    assert shapes["blk.0.attn_q_norm.weight"] == ((128,), QuantType.F32)
+    assert shapes["blk.0.ffn_gate_exps.weight"][0] == (128, 768, 2048)
+    assert shapes["blk.0.ffn_down_exps.weight"][0] == (128, 2048, 768)
+    assert not any("shexp" in n or n.endswith(".bias") for n in shapes)
+    assert len([n for n in shapes if n.startswith("blk.")]) == 48 * 12
+    assert 32.0e9 < model_nbytes(spec) < 33.0e9
+    import dataclasses
+
+    from tornado_moe.errors import InputError
+
+    with pytest.raises(InputError, match="qwen3moe has no shared expert"):
+        dataclasses.replace(spec, shared_ffn=64).validate()
+
+
 def test_bad_specs_are_refused_naming_the_field() -> None:
     from tornado_moe.errors import InputError
 

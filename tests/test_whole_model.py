@@ -99,6 +99,18 @@ def test_a_q4_k_m_style_mix_of_formats(tmp_path, device: str) -> None:
     _matches_the_reference_and_every_variant_agrees(model, device)
 
 
+@pytest.mark.parametrize("device", device_params())
+def test_tiny_qwen3moe_synth_model(tmp_path, device: str) -> None:
+    """The synth preset of the qwen3moe layout (heads of 128 over hidden 256, per-head q/k norms, no shared
+    expert, renormalised top-k) runs as the reference does."""
+    from tornado_moe.synth.random_model import PRESETS, write_random_model
+
+    model = load_model(write_random_model(tmp_path / "q3.gguf", PRESETS["tiny-qwen3moe"], progress=False))
+    c = model.config
+    assert (c.arch, c.head_dim, c.qk_norm, c.normalize_topk, c.shared_ffn) == ("qwen3moe", 128, True, True, 0)
+    _matches_the_reference_and_every_variant_agrees(model, device)
+
+
 def _matches_the_reference_and_every_variant_agrees(model: GGUFModel, device: str) -> None:
     """Logits within float32 rounding of the float64 reference; fused == per-slot and the prompt in one step
     == token by token, bit for bit (tokens and every step's logits)."""

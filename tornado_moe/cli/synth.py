@@ -39,9 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="tiny",
-        help="model shape: 'tiny' (2 layers, hidden 256, 8 experts top-2, no tokenizer; seconds on a CPU) or "
-        "'qwen1.5-moe-a2.7b' (24 layers, hidden 2048, 60 experts top-4, shared expert, real Qwen2 tokenizer; "
-        "~15 GB at Q8_0) (default: %(default)s)",
+        help="model shape: 'tiny' (qwen2moe, 2 layers, hidden 256, 8 experts top-2, no tokenizer; seconds "
+        "on a CPU), 'tiny-qwen3moe' (the same size as qwen3moe: per-head q/k norms, heads of 128, no shared "
+        "expert), 'qwen1.5-moe-a2.7b' (24 layers, hidden 2048, 60 experts top-4, shared expert, real Qwen2 "
+        "tokenizer; ~15 GB at Q8_0) or 'qwen3-30b-a3b' (48 layers, hidden 2048, 32 heads of 128, 128 experts "
+        "top-8; ~32 GB at Q8_0) (default: %(default)s)",
     )
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="GGUF file to write")
     parser.add_argument(

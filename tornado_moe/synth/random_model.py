@@ -1,8 +1,9 @@
-"""Random-weight GGUF models with real MoE shapes: a tiny one for CI, full Qwen1.5-MoE-A2.7B for benchmarks.
+"""Random-weight GGUF models with real MoE shapes: tiny ones for CI, full Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B
+for benchmarks.
 
 No real MoE weights can be downloaded where tornado-moe is developed, yet kernels must be checked and timed on
-real shapes. These files follow llama.cpp's ``qwen2moe`` layout exactly (key names, tensor names, shapes,
-types), so every loader and kernel path runs on them; only the numbers are random.
+real shapes. These files follow llama.cpp's ``qwen2moe`` and ``qwen3moe`` layouts exactly (key names, tensor
+names, shapes, types), so every loader and kernel path runs on them; only the numbers are random.
 
 Speed matters (the full model is ~15 GB and must be written in about a minute), so block-quantized weights are
 never produced by quantizing floats. Random bits are drawn straight into the block layout and two cheap bit
@@ -126,11 +127,12 @@ class SynthSpec:
     qtype: QuantType = QuantType.Q8_0
     tokenizer: str = "none"
     name: str = "random qwen2moe"
+    key_length: int = 0  # per-head width if not hidden / n_heads (Qwen3: 128 at hidden 2048 and 32 heads)
 
     @property
     def head_dim(self) -> int:
-        """Per-head width: hidden / n_heads."""
-        return self.hidden // self.n_heads
+        """Per-head width: ``key_length``, or hidden / n_heads."""
+        return self.key_length or self.hidden // self.n_heads
 
     def with_overrides(
         self,
@@ -157,25 +159,18 @@ class SynthSpec:
     def validate(self) -> None:
         """Raise InputError naming every inconsistent field (the writer relies on these invariants)."""
         problems: list[str] = []
-        if self.arch != "qwen2moe":
-            problems.append(f"arch {self.arch!r}: only 'qwen2moe' can be synthesized")
-        for f in (
-            "n_layers",
-            "hidden",
-            "n_heads",
-            "n_kv_heads",
-            "vocab",
-            "context_length",
-            "n_experts",
-            "top_k",
-            "expert_ffn",
-            "shared_ffn",
-        ):
+        if self.arch not in ("qwen2moe", "qwen3moe"):
+            problems.append(f"arch {self.arch!r}: only 'qwen2moe' and 'qwen3moe' can be synthesized")
+        positive = ["n_layers", "hidden", "n_heads", "n_kv_heads", "vocab", "context_length", "n_experts",
+                    "top_k", "expert_ffn"]
+        for f in positive + (["shared_ffn"] if self.arch == "qwen2moe" else []):
             if getattr(self, f) <= 0:
                 problems.append(f"{f} must be > 0 (got {getattr(self, f)})")
+        if self.arch == "qwen3moe" and self.shared_ffn:
+            problems.append(f"qwen3moe has no shared expert (shared_ffn {self.shared_ffn})")
         if problems:
             raise InputError("invalid synth spec: " + "; ".join(problems))
-        if self.hidden % self.n_heads:
+        if not self.key_length and self.hidden % self.n_heads:
             problems.append(f"hidden {self.hidden} is not a multiple of n_heads {self.n_heads}")
         elif self.head_dim % 2:
             problems.append(f"head_dim {self.head_dim} must be even for RoPE")
@@ -242,6 +237,44 @@ PRESETS: dict[str, SynthSpec] = {
         tokenizer="qwen2",
         name="tornado-moe random Qwen1.5-MoE-A2.7B shape",
     ),
+    # qwen3moe at CI size: heads wider than hidden / n_heads (4 x 128 over hidden 256), no shared expert.
+    "tiny-qwen3moe": SynthSpec(
+        arch="qwen3moe",
+        n_layers=2,
+        hidden=256,
+        n_heads=4,
+        n_kv_heads=2,
+        key_length=128,
+        vocab=512,
+        context_length=512,
+        n_experts=8,
+        top_k=2,
+        expert_ffn=128,
+        shared_ffn=0,
+        qtype=QuantType.Q8_0,
+        tokenizer="none",
+        name="tornado-moe tiny random qwen3moe",
+    ),
+    # Qwen3-30B-A3B's published shape (config.json of the HF release), with the Qwen2 tokenizer it shares.
+    "qwen3-30b-a3b": SynthSpec(
+        arch="qwen3moe",
+        n_layers=48,
+        hidden=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        key_length=128,
+        vocab=151_936,
+        context_length=40960,
+        n_experts=128,
+        top_k=8,
+        expert_ffn=768,
+        shared_ffn=0,
+        rms_eps=1e-6,
+        rope_theta=1e6,
+        qtype=QuantType.Q8_0,
+        tokenizer="qwen2",
+        name="tornado-moe random Qwen3-30B-A3B shape",
+    ),
 }
 
 
@@ -275,29 +308,35 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
         qt = matrix_qtype(spec.qtype, shape[-1])
         return TensorPlan(name, shape, qt, "weight", 1.0 / math.sqrt(shape[-1]))
 
+    qwen3 = spec.arch == "qwen3moe"
     plans = [w("token_embd.weight", V, H)]
     for i in range(spec.n_layers):
         b = f"blk.{i}."
+        attn = [w(b + "attn_q.weight", q_dim, H), w(b + "attn_k.weight", kv_dim, H),
+                w(b + "attn_v.weight", kv_dim, H)]
+        if qwen3:  # per-head norms of q and k instead of biases
+            attn += [TensorPlan(b + f"attn_{n}_norm.weight", (spec.head_dim,), f32, "norm", 0.05)
+                     for n in "qk"]
+        else:
+            attn += [TensorPlan(b + f"attn_{n}.bias", (d,), f32, "normal", 0.02)
+                     for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+        plans += [TensorPlan(b + "attn_norm.weight", (H,), f32, "norm", 0.05), *attn,
+                  w(b + "attn_output.weight", H, q_dim)]
         plans += [
-            TensorPlan(b + "attn_norm.weight", (H,), f32, "norm", 0.05),
-            w(b + "attn_q.weight", q_dim, H),
-            TensorPlan(b + "attn_q.bias", (q_dim,), f32, "normal", 0.02),
-            w(b + "attn_k.weight", kv_dim, H),
-            TensorPlan(b + "attn_k.bias", (kv_dim,), f32, "normal", 0.02),
-            w(b + "attn_v.weight", kv_dim, H),
-            TensorPlan(b + "attn_v.bias", (kv_dim,), f32, "normal", 0.02),
-            w(b + "attn_output.weight", H, q_dim),
             TensorPlan(b + "ffn_norm.weight", (H,), f32, "norm", 0.05),
             # Router logits with std ~1 for unit-scale inputs: the top-k set changes from token to token.
             TensorPlan(b + "ffn_gate_inp.weight", (E, H), f32, "normal", 1.0 / math.sqrt(H)),
             w(b + "ffn_gate_exps.weight", E, I, H),
             w(b + "ffn_up_exps.weight", E, I, H),
             w(b + "ffn_down_exps.weight", E, H, I),
-            TensorPlan(b + "ffn_gate_inp_shexp.weight", (H,), f32, "normal", 1.0 / math.sqrt(H)),
-            w(b + "ffn_gate_shexp.weight", S, H),
-            w(b + "ffn_up_shexp.weight", S, H),
-            w(b + "ffn_down_shexp.weight", H, S),
         ]
+        if not qwen3:
+            plans += [
+                TensorPlan(b + "ffn_gate_inp_shexp.weight", (H,), f32, "normal", 1.0 / math.sqrt(H)),
+                w(b + "ffn_gate_shexp.weight", S, H),
+                w(b + "ffn_up_shexp.weight", S, H),
+                w(b + "ffn_down_shexp.weight", H, S),
+            ]
     plans += [TensorPlan("output_norm.weight", (H,), f32, "norm", 0.05), w("output.weight", V, H)]
     return plans
 
@@ -406,16 +445,21 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: SynthSpec, seed: int) -> None:
     writer.add_block_count(spec.n_layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden)
-    writer.add_feed_forward_length(spec.shared_ffn)  # what llama.cpp's converter stores for Qwen1.5-MoE
+    # what llama.cpp's converter stores: Qwen1.5-MoE's shared expert width, Qwen3's (unused) dense width
+    writer.add_feed_forward_length(spec.shared_ffn or spec.expert_ffn)
     writer.add_head_count(spec.n_heads)
     writer.add_head_count_kv(spec.n_kv_heads)
+    if spec.head_dim * spec.n_heads != spec.hidden:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     writer.add_rope_dimension_count(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.n_experts)
     writer.add_expert_used_count(spec.top_k)
     writer.add_expert_feed_forward_length(spec.expert_ffn)
-    writer.add_expert_shared_feed_forward_length(spec.shared_ffn)
+    if spec.shared_ffn:
+        writer.add_expert_shared_feed_forward_length(spec.shared_ffn)
     writer.add_vocab_size(spec.vocab)
     if spec.tokenizer == "qwen2":
         add_qwen2_tokenizer(writer, spec.vocab)
