@@ -45,7 +45,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep, formats
+STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep, formats, qwen3
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -220,6 +220,15 @@ if want formats; then  # decode speed of the other weight formats (not a default
       --compare fused,graphs,torch --json "$OUT/bench_format_$qt.json" > "$OUT/bench_format_$qt.log" 2>&1
     tail -3 "$OUT/bench_format_$qt.log"; rm -f "$fmodel"
   done
+fi
+if want qwen3; then  # decode of the Qwen3-30B-A3B shape (not a default stage; ~32 GB written, then removed)
+  stamp "qwen3-30b-a3b"
+  q3model=/tmp/qwen3-30b-a3b-synth.gguf
+  timeout -k 10 "$(left 240)" $CLI synth --preset qwen3-30b-a3b -o "$q3model" --threads 16 --no-progress \
+    > "$OUT/synth_qwen3.log" 2>&1
+  timeout -k 10 "$(left 180)" $CLI bench --model "$q3model" --device cuda --prompt-tokens 16 -n 128 --repeats 3 \
+    --compare fused,graphs,torch --json "$OUT/bench_qwen3.json" > "$OUT/bench_qwen3.log" 2>&1
+  tail -3 "$OUT/bench_qwen3.log"; rm -f "$q3model"
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
   IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"
