@@ -237,24 +237,6 @@ PRESETS: dict[str, SynthSpec] = {
         tokenizer="qwen2",
         name="tornado-moe random Qwen1.5-MoE-A2.7B shape",
     ),
-    # qwen3moe at CI size: heads wider than hidden / n_heads (4 x 128 over hidden 256), no shared expert.
-    "tiny-qwen3moe": SynthSpec(
-        arch="qwen3moe",
-        n_layers=2,
-        hidden=256,
-        n_heads=4,
-        n_kv_heads=2,
-        key_length=128,
-        vocab=512,
-        context_length=512,
-        n_experts=8,
-        top_k=2,
-        expert_ffn=128,
-        shared_ffn=0,
-        qtype=QuantType.Q8_0,
-        tokenizer="none",
-        name="tornado-moe tiny random qwen3moe",
-    ),
     # Qwen3-30B-A3B's published shape (config.json of the HF release), with the Qwen2 tokenizer it shares.
     "qwen3-30b-a3b": SynthSpec(
         arch="qwen3moe",
@@ -276,6 +258,9 @@ PRESETS: dict[str, SynthSpec] = {
         name="tornado-moe random Qwen3-30B-A3B shape",
     ),
 }
+# qwen3moe at the tiny preset's size: heads wider than hidden / n_heads (4 x 128 over 256), no shared expert.
+PRESETS["tiny-qwen3moe"] = dataclasses.replace(PRESETS["tiny"], arch="qwen3moe", key_length=128, shared_ffn=0,
+                                               name="tornado-moe tiny random qwen3moe")
 
 
 @dataclass(frozen=True)
