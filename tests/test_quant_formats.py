@@ -14,6 +14,7 @@ import pytest
 
 from tornado_moe.errors import UnsupportedModelError
 from tornado_moe.quant.formats import (
+    FILE_TYPE,
     FP16_FIELDS,
     K_TYPES,
     QuantType,
@@ -76,6 +77,14 @@ def test_sizes() -> None:
     assert [int(t) for t in ALL_TYPES] == [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30]  # GGML type ids
     with pytest.raises(ValueError, match="multiple of the block size 256"):
         row_bytes(QuantType.Q4_K, 1408)  # Qwen1.5-MoE's expert rows: llama.cpp stores those in another type
+
+
+def test_file_types_are_llama_cpps() -> None:
+    expected = {QuantType.F32: "ALL_F32", QuantType.F16: "MOSTLY_F16", QuantType.BF16: "MOSTLY_BF16",
+                QuantType.Q4_K: "MOSTLY_Q4_K_S", QuantType.Q5_K: "MOSTLY_Q5_K_S"}
+    for qt, ft in FILE_TYPE.items():
+        assert ft == int(gguf.LlamaFileType[expected.get(qt, f"MOSTLY_{qt.name}")]), qt
+    assert set(FILE_TYPE) == set(QuantType)
 
 
 def test_quant_type_of() -> None:

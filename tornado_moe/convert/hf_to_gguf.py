@@ -24,7 +24,7 @@ import numpy as np
 
 from tornado_moe.errors import UnsupportedModelError
 from tornado_moe.model.config import ModelConfig
-from tornado_moe.quant.formats import QuantType, quantize
+from tornado_moe.quant.formats import FILE_TYPE, QuantType, quantize
 
 __all__ = [
     "write_gguf",
@@ -46,20 +46,6 @@ _F32_SUFFIXES = (
     "ffn_gate_inp.weight",
     "ffn_gate_inp_shexp.weight",
 )
-
-_FILE_TYPE = {  # general.file_type (llama.cpp's LlamaFileType) for a file whose matrices are all `qtype`
-    QuantType.F32: 0,
-    QuantType.F16: 1,
-    QuantType.Q4_0: 2,
-    QuantType.Q4_1: 3,
-    QuantType.Q5_0: 8,
-    QuantType.Q5_1: 9,
-    QuantType.Q8_0: 7,
-    QuantType.Q4_K: 14,
-    QuantType.Q5_K: 16,
-    QuantType.Q6_K: 18,
-    QuantType.BF16: 32,
-}
 
 
 def permute_for_interleaved_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -122,7 +108,7 @@ def write_gguf(
     p = Path(path)
     writer = gguf.GGUFWriter(p, config.arch)
     _add_config_keys(writer, config, name)
-    writer.add_file_type(_FILE_TYPE[qtype])
+    writer.add_file_type(FILE_TYPE[qtype])
     if qtype not in (QuantType.F32, QuantType.F16, QuantType.BF16):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tokenizer_metadata:
@@ -198,52 +184,28 @@ def hf_config_to_model_config(hf_cfg: Any) -> ModelConfig:
     )
     if getattr(hf_cfg, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"transformers {mt}: activation {hf_cfg.hidden_act!r} is not supported")
-    if mt == "qwen2_moe":
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        qwen3 = mt == "qwen3_moe"
         if hf_cfg.mlp_only_layers or hf_cfg.decoder_sparse_step != 1:
-            raise UnsupportedModelError(
-                "transformers qwen2_moe: dense layers (mlp_only_layers / sparse step)"
-            )
+            raise UnsupportedModelError(f"transformers {mt}: dense layers (mlp_only_layers / sparse step)")
         if getattr(hf_cfg, "use_sliding_window", False):
-            raise UnsupportedModelError("transformers qwen2_moe: sliding-window attention is not supported")
-        if hf_cfg.norm_topk_prob:
+            raise UnsupportedModelError(f"transformers {mt}: sliding-window attention is not supported")
+        # GGUF has no key for it: llama.cpp renormalises qwen3moe's top-k weights and never qwen2moe's
+        if bool(hf_cfg.norm_topk_prob) != qwen3:
             raise UnsupportedModelError(
-                "transformers qwen2_moe: norm_topk_prob=True cannot be expressed in GGUF"
+                f"transformers {mt}: norm_topk_prob={hf_cfg.norm_topk_prob} cannot be expressed in GGUF"
             )
         return ModelConfig(
-            arch="qwen2moe",
+            arch="qwen3moe" if qwen3 else "qwen2moe",
             neox_rope=True,
             n_experts=hf_cfg.num_experts,
             top_k=hf_cfg.num_experts_per_tok,
             expert_ffn=hf_cfg.moe_intermediate_size,
-            shared_ffn=hf_cfg.shared_expert_intermediate_size,
+            shared_ffn=0 if qwen3 else hf_cfg.shared_expert_intermediate_size,
             dense_ffn=0,
-            normalize_topk=False,
-            qkv_bias=bool(hf_cfg.qkv_bias),
-            **common,
-        )
-    if mt == "qwen3_moe":
-        if hf_cfg.mlp_only_layers or hf_cfg.decoder_sparse_step != 1:
-            raise UnsupportedModelError(
-                "transformers qwen3_moe: dense layers (mlp_only_layers / sparse step)"
-            )
-        if getattr(hf_cfg, "use_sliding_window", False):
-            raise UnsupportedModelError("transformers qwen3_moe: sliding-window attention is not supported")
-        if not hf_cfg.norm_topk_prob:
-            raise UnsupportedModelError(
-                "transformers qwen3_moe: norm_topk_prob=False cannot be expressed in GGUF (llama.cpp "
-                "renormalises qwen3moe's top-k weights)"
-            )
-        return ModelConfig(
-            arch="qwen3moe",
-            neox_rope=True,
-            n_experts=hf_cfg.num_experts,
-            top_k=hf_cfg.num_experts_per_tok,
-            expert_ffn=hf_cfg.moe_intermediate_size,
-            shared_ffn=0,
-            dense_ffn=0,
-            normalize_topk=True,
-            qkv_bias=bool(getattr(hf_cfg, "attention_bias", False)),
-            qk_norm=True,
+            normalize_topk=qwen3,
+            qkv_bias=bool(getattr(hf_cfg, "attention_bias" if qwen3 else "qkv_bias", False)),
+            qk_norm=qwen3,
             **common,
         )
     if mt == "mixtral":

@@ -48,6 +48,7 @@ __all__ = [
     "FP16_FIELDS",
     "CODES_OFFSET",
     "K_TYPES",
+    "FILE_TYPE",
 ]
 
 
@@ -85,6 +86,22 @@ _SIZES: dict[QuantType, tuple[int, int]] = {
 }
 #: the K types: 256-value super-blocks, quantized by libgguf
 K_TYPES: frozenset[QuantType] = frozenset({QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K})
+
+#: ``general.file_type`` (llama.cpp's LlamaFileType) of a file whose weight matrices are in the type (a K type
+#: with its fallbacks for rows that are not whole super-blocks: llama.cpp's "_S" mixes)
+FILE_TYPE: dict[QuantType, int] = {
+    QuantType.F32: 0,
+    QuantType.F16: 1,
+    QuantType.Q4_0: 2,
+    QuantType.Q4_1: 3,
+    QuantType.Q8_0: 7,
+    QuantType.Q5_0: 8,
+    QuantType.Q5_1: 9,
+    QuantType.Q4_K: 14,
+    QuantType.Q5_K: 16,
+    QuantType.Q6_K: 18,
+    QuantType.BF16: 32,
+}
 
 
 # Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m, Q4_K's dmin) and of

@@ -46,7 +46,15 @@ import gguf
 import numpy as np
 
 from tornado_moe.errors import InputError
-from tornado_moe.quant.formats import CODES_OFFSET, FP16_FIELDS, QuantType, block_size, row_bytes, type_size
+from tornado_moe.quant.formats import (
+    CODES_OFFSET,
+    FILE_TYPE,
+    FP16_FIELDS,
+    QuantType,
+    block_size,
+    row_bytes,
+    type_size,
+)
 from tornado_moe.synth.cache import atomic_output
 from tornado_moe.synth.qwen_vocab import QWEN2_N_RANKS, QWEN2_SPECIAL_TOKENS, add_qwen2_tokenizer
 
@@ -69,18 +77,6 @@ WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantTyp
 
 # What llama.cpp stores a K-type matrix in when its rows are not whole super-blocks (llama_tensor_get_type).
 K_FALLBACK = {QuantType.Q4_K: QuantType.Q5_0, QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0}
-
-_FILE_TYPE = {
-    QuantType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
-    QuantType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-    QuantType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-    QuantType.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
-    QuantType.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
-    QuantType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S,
-    QuantType.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_S,
-    QuantType.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
-    QuantType.F16: gguf.LlamaFileType.MOSTLY_F16,
-}
 
 # RMS of a block's decoded values over d, for the values the generator leaves: odd codes c in [-n, n] have
 # RMS sqrt(((n+1)^2 - 1) / 3) (Q8_0 n = 127, Q4 n = 7: sqrt(21), Q5_0 n = 15: sqrt(85), Q6_K n = 31), times
@@ -425,7 +421,7 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: SynthSpec, seed: int) -> None:
     writer.add_name(spec.name)
     writer.add_type("model")
     writer.add_description(f"random weights drawn by tornado-moe synth (seed {seed}); not a trained model")
-    writer.add_file_type(int(_FILE_TYPE[spec.qtype]))
+    writer.add_file_type(FILE_TYPE[spec.qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(spec.n_layers)
     writer.add_context_length(spec.context_length)
