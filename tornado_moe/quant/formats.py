@@ -220,22 +220,22 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
             q = _nibbles(codes).astype(np.float32)
             out = q * d + m
         elif qtype == QuantType.Q5_0:
-            q = (_five_bit_codes(blocks, codes).astype(np.int8) - np.int8(16)).astype(np.float32)
+            q = (_five_bit_codes(blocks, qtype).astype(np.int8) - np.int8(16)).astype(np.float32)
             out = q * d
         elif qtype == QuantType.Q5_1:
             m = _fp16_column(blocks, FP16_FIELDS[qtype][1])
-            out = _five_bit_codes(blocks, codes).astype(np.float32) * d + m
+            out = _five_bit_codes(blocks, qtype).astype(np.float32) * d + m
         else:  # pragma: no cover - every QuantType is handled above
             raise AssertionError(qtype)
     return out.reshape(shape)
 
 
-def _five_bit_codes(blocks: np.ndarray, codes: np.ndarray) -> np.ndarray:
+def _five_bit_codes(blocks: np.ndarray, qtype: QuantType) -> np.ndarray:
     """Q5_0 / Q5_1: [n, 32] uint8 codes, the nibbles plus the fifth bits of the uint32 just before them."""
-    at = blocks.shape[1] - 20
-    high = np.ascontiguousarray(blocks[:, at:at + 4]).view("<u4")  # [n, 1]: bit j = value j's fifth bit
+    at = CODES_OFFSET[qtype]
+    high = np.ascontiguousarray(blocks[:, at - 4:at]).view("<u4")  # [n, 1]: bit j = value j's fifth bit
     fifth = ((high >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
-    return _nibbles(codes) | (fifth << np.uint8(4))
+    return _nibbles(blocks[:, at:]) | (fifth << np.uint8(4))
 
 
 def _dequantize_k(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> np.ndarray:

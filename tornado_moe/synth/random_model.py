@@ -293,16 +293,15 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
     plans = [w("token_embd.weight", V, H)]
     for i in range(spec.n_layers):
         b = f"blk.{i}."
-        attn = [w(b + "attn_q.weight", q_dim, H), w(b + "attn_k.weight", kv_dim, H),
-                w(b + "attn_v.weight", kv_dim, H)]
-        if qwen3:  # per-head norms of q and k instead of biases
-            attn += [TensorPlan(b + f"attn_{n}_norm.weight", (spec.head_dim,), f32, "norm", 0.05)
-                     for n in "qk"]
-        else:
-            attn += [TensorPlan(b + f"attn_{n}.bias", (d,), f32, "normal", 0.02)
-                     for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
-        plans += [TensorPlan(b + "attn_norm.weight", (H,), f32, "norm", 0.05), *attn,
-                  w(b + "attn_output.weight", H, q_dim)]
+        plans.append(TensorPlan(b + "attn_norm.weight", (H,), f32, "norm", 0.05))
+        for n, rows in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+            plans.append(w(b + f"attn_{n}.weight", rows, H))
+            if not qwen3:  # qwen2moe's q/k/v biases; qwen3moe has per-head norms instead
+                plans.append(TensorPlan(b + f"attn_{n}.bias", (rows,), f32, "normal", 0.02))
+        if qwen3:
+            plans += [TensorPlan(b + f"attn_{n}_norm.weight", (spec.head_dim,), f32, "norm", 0.05)
+                      for n in "qk"]
+        plans.append(w(b + "attn_output.weight", H, q_dim))
         plans += [
             TensorPlan(b + "ffn_norm.weight", (H,), f32, "norm", 0.05),
             # Router logits with std ~1 for unit-scale inputs: the top-k set changes from token to token.
@@ -349,6 +348,11 @@ def _exponent_field(qtype: QuantType, std: float) -> int:
     return min(max(k + 15, 1), 26)
 
 
+def _zero_point_exponent(qt: QuantType) -> np.uint16:
+    """The fp16 exponent steps from d to the zero point a minimum cancels: 8 d (4-bit codes), 16 d (5-bit)."""
+    return np.uint16((3 if qt in (QuantType.Q4_1, QuantType.Q4_K) else 4) << 10)
+
+
 def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.ndarray:
     """Bytes of ``n_units`` blocks (or values, for float types) of ``plan``, from this chunk's own stream."""
     ss = np.random.SeedSequence(seed, spawn_key=(zlib.crc32(plan.name.encode()), chunk))
@@ -380,12 +384,11 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
         codes |= np.uint8(0x11)
     elif qt in (QuantType.Q4_1, QuantType.Q5_1):
         m = blocks[:, fields[1]:fields[1] + 2].view("<u2")
-        steps = np.uint16((3 if qt == QuantType.Q4_1 else 4) << 10)
-        np.bitwise_or(d + steps, np.uint16(0x8000), out=m)  # m = -8 d (Q5_1: -16 d) exactly
+        np.bitwise_or(d + _zero_point_exponent(qt), np.uint16(0x8000), out=m)  # m = -8 d (Q5_1: -16 d)
         codes |= np.uint8(0x11)
     elif qt in (QuantType.Q4_K, QuantType.Q5_K):
         dmin = blocks[:, fields[1]:fields[1] + 2].view("<u2")
-        np.add(d, np.uint16((3 if qt == QuantType.Q4_K else 4) << 10), out=dmin)  # dmin = 8 d (16 d) exactly
+        np.add(d, _zero_point_exponent(qt), out=dmin)  # dmin = 8 d (Q5_K: 16 d) exactly
         s = blocks[:, 4:16]
         s[:, 0:4] |= np.uint8(0x01)  # odd scales: sub-blocks 0-3 in the low 6 bits of bytes 0-3 ...
         s[:, 8:12] = (s[:, 8:12] & np.uint8(0x0F)) | np.uint8(0x01)  # ... 4-7 in the low 4 bits of 8-11
@@ -426,7 +429,8 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: SynthSpec, seed: int) -> None:
     writer.add_block_count(spec.n_layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden)
-    # what llama.cpp's converter stores: Qwen1.5-MoE's shared expert width, Qwen3's (unused) dense width
+    # Qwen1.5-MoE's shared expert width, as llama.cpp's converter stores it; the routed width where there is
+    # no shared expert (no loader reads this key for an MoE model)
     writer.add_feed_forward_length(spec.shared_ffn or spec.expert_ffn)
     writer.add_head_count(spec.n_heads)
     writer.add_head_count_kv(spec.n_kv_heads)
