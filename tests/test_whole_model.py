@@ -8,36 +8,16 @@ sides dequantize weights exactly; the engine accumulates in float32, so logits s
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from _gguf_fixtures import llama_spec, qwen2moe_spec, write_gguf_file
 from conftest import GPU, device_params
+from engine_checks import assert_reference_and_variants_agree, rel_err_vs_reference, trace
 
 from tornado_moe.engine import Engine, EngineOptions
 from tornado_moe.model.gguf_model import GGUFModel, load_model
 from tornado_moe.model.tokenizer import Tokenizer
-from tornado_moe.reference.model64 import ReferenceModel
 
 IDS = [5, 17, 42, 3, 60, 11]
-
-
-def _trace(engine: Engine, tokens: list[int], n_new: int) -> tuple[list[int], bytes]:
-    """Greedy tokens after the prompt and the bytes of every step's logits row."""
-    rows: list[np.ndarray] = []
-    out, _ = engine.generate(tokens, n_new, on_logits=lambda r: rows.append(r.cpu().numpy().copy()))
-    engine.close()
-    return out, np.stack(rows).tobytes()
-
-
-def _rel_err_vs_reference(model: GGUFModel, tokens: list[int], device: str = "cpu") -> float:
-    eng = Engine(model, EngineOptions(device=device))
-    got = []
-    for t in tokens:
-        eng.feed(t)
-        got.append(eng.last_logits().cpu().numpy().astype(np.float64))
-    ref_model = ReferenceModel(model)
-    ref = ref_model.forward(tokens, ref_model.new_cache(len(tokens))).numpy()
-    return float(np.abs(np.stack(got) - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +29,7 @@ def default_model(default_model_file) -> GGUFModel:
 def test_llama_layers_match_the_reference(tmp_path, experts: int) -> None:
     keys, tensors = llama_spec(n_exp=experts, top_k=2 if experts else 0, ffn=64, tied=False)
     model = load_model(write_gguf_file(tmp_path / "llama.gguf", "llama", keys, tensors))
-    assert _rel_err_vs_reference(model, IDS) < 2e-4
+    assert rel_err_vs_reference(model, IDS) < 2e-4
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["llama-dense", "llama-mixtral"])
@@ -58,7 +38,7 @@ def test_llama_batched_prefill_is_token_by_token(tmp_path, experts: int) -> None
     prompt in one step gives bitwise the tokens and logits of feeding it token by token."""
     keys, tensors = llama_spec(n_exp=experts, top_k=2 if experts else 0, ffn=64, tied=False)
     model = load_model(write_gguf_file(tmp_path / "llama.gguf", "llama", keys, tensors))
-    by_token, batched = (_trace(Engine(model, EngineOptions(device="cpu", prefill_chunk=n)), IDS, 4)
+    by_token, batched = (trace(Engine(model, EngineOptions(device="cpu", prefill_chunk=n)), IDS, 4)
                          for n in (1, 4))
     assert by_token == batched
 
@@ -74,7 +54,7 @@ def test_k_quant_models_match_the_reference_and_keep_every_promise(tmp_path, dev
 
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_random_model(path, PRESETS["tiny"].with_overrides(qtype=qtype), seed=3, progress=False)
-    _matches_the_reference_and_every_variant_agrees(load_model(path), device)
+    assert_reference_and_variants_agree(load_model(path), device, IDS)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -96,7 +76,7 @@ def test_a_q4_k_m_style_mix_of_formats(tmp_path, device: str) -> None:
     model = load_model(write_gguf_file(tmp_path / "q4km.gguf", "qwen2moe", keys, tensors))
     kinds = ("attn_q", "attn_v", "ffn_down_exps", "ffn_down_shexp")
     assert {model.layer(0)[n].qtype.name for n in kinds} == {"Q4_K", "Q6_K", "Q5_0"}
-    _matches_the_reference_and_every_variant_agrees(model, device)
+    assert_reference_and_variants_agree(model, device, IDS)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -108,32 +88,22 @@ def test_tiny_qwen3moe_synth_model(tmp_path, device: str) -> None:
     model = load_model(write_random_model(tmp_path / "q3.gguf", PRESETS["tiny-qwen3moe"], progress=False))
     c = model.config
     assert (c.arch, c.head_dim, c.qk_norm, c.normalize_topk, c.shared_ffn) == ("qwen3moe", 128, True, True, 0)
-    _matches_the_reference_and_every_variant_agrees(model, device)
-
-
-def _matches_the_reference_and_every_variant_agrees(model: GGUFModel, device: str) -> None:
-    """Logits within float32 rounding of the float64 reference; fused == per-slot and the prompt in one step
-    == token by token, bit for bit (tokens and every step's logits)."""
-    assert _rel_err_vs_reference(model, IDS, device) < 2e-4
-    options = [EngineOptions(device=device, fuse_experts=fuse, prefill_chunk=chunk)
-               for fuse in (True, False) for chunk in (1, 128)]
-    runs = [_trace(Engine(model, o), IDS, 5) for o in options]
-    assert all(r == runs[0] for r in runs)
+    assert_reference_and_variants_agree(model, device, IDS)
 
 
 def test_default_model_matches_the_reference(default_model: GGUFModel) -> None:
     tokens = Tokenizer.from_metadata(default_model.metadata).encode("The capital of France is")
-    assert _rel_err_vs_reference(default_model, tokens) < 5e-4
+    assert rel_err_vs_reference(default_model, tokens) < 5e-4
 
 
 def test_default_model_generates_paris(default_model: GGUFModel) -> None:
     tok = Tokenizer.from_metadata(default_model.metadata)
     prompt = tok.encode("The capital of France is")
-    out, logits = _trace(Engine(default_model, EngineOptions(device="cpu")), prompt, 3)
+    out, logits = trace(Engine(default_model, EngineOptions(device="cpu")), prompt, 3)
     assert tok.decode(out).startswith(" Paris")
     # the prompt went through in one step; token by token gives the same bits
     by_token = Engine(default_model, EngineOptions(device="cpu", prefill_chunk=1))
-    assert _trace(by_token, prompt, 3) == (out, logits)
+    assert trace(by_token, prompt, 3) == (out, logits)
 
 
 ROUTE_CASES = [
@@ -169,7 +139,7 @@ def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_m
         opts = EngineOptions(device=device, route=route, fuse_experts=fuse, cuda_graphs=graphs,
                              profiler=not graphs)
         eng = Engine(model, opts)
-        runs[route] = (_trace(eng, [504, 3575, 282, 4649, 314] if which == "default" else IDS, n_new),
+        runs[route] = (trace(eng, [504, 3575, 282, 4649, 314] if which == "default" else IDS, n_new),
                        eng.plan.profiler_result().launches_by_graph() if not graphs else None)
     assert runs["torch"][0] == runs["java"][0]
     if not graphs:
