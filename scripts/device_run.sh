@@ -210,25 +210,22 @@ if want prefill; then  # prompt processing: the prompt in steps of 128 tokens ag
     > "$OUT/bench_prefill.log" 2>&1
   tail -4 "$OUT/bench_prefill.log"
 fi
+# bench_synth NAME PRESET [QTYPE]: a synthetic model written, its decode benched (fused + graphs, 16 + 128
+# tokens) into bench_NAME.json, the file removed
+bench_synth() {
+  stamp "synthetic model $1"
+  local model=/tmp/synth-$1.gguf
+  timeout -k 10 "$(left 240)" $CLI synth --preset "$2" ${3:+--qtype "$3"} -o "$model" --threads 16 --no-progress \
+    > "$OUT/synth_$1.log" 2>&1
+  timeout -k 10 "$(left 180)" $CLI bench --model "$model" --device cuda --prompt-tokens 16 -n 128 --repeats 3 \
+    --compare fused,graphs,torch --json "$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
+  tail -3 "$OUT/bench_$1.log"; rm -f "$model"
+}
 if want formats; then  # decode speed of the other weight formats (not a default stage): FORMATS="Q4_K,Q6_K,..."
-  for qt in ${FORMATS//,/ }; do
-    stamp "format $qt"
-    fmodel=/tmp/qwen15-moe-synth-$qt.gguf
-    timeout -k 10 "$(left 120)" $CLI synth --preset qwen1.5-moe-a2.7b --qtype "$qt" -o "$fmodel" --threads 16 \
-      --no-progress > "$OUT/synth_$qt.log" 2>&1
-    timeout -k 10 "$(left 120)" $CLI bench --model "$fmodel" --device cuda --prompt-tokens 16 -n 128 --repeats 3 \
-      --compare fused,graphs,torch --json "$OUT/bench_format_$qt.json" > "$OUT/bench_format_$qt.log" 2>&1
-    tail -3 "$OUT/bench_format_$qt.log"; rm -f "$fmodel"
-  done
+  for qt in ${FORMATS//,/ }; do bench_synth "format_$qt" qwen1.5-moe-a2.7b "$qt"; done
 fi
 if want qwen3; then  # decode of the Qwen3-30B-A3B shape (not a default stage; ~32 GB written, then removed)
-  stamp "qwen3-30b-a3b"
-  q3model=/tmp/qwen3-30b-a3b-synth.gguf
-  timeout -k 10 "$(left 240)" $CLI synth --preset qwen3-30b-a3b -o "$q3model" --threads 16 --no-progress \
-    > "$OUT/synth_qwen3.log" 2>&1
-  timeout -k 10 "$(left 180)" $CLI bench --model "$q3model" --device cuda --prompt-tokens 16 -n 128 --repeats 3 \
-    --compare fused,graphs,torch --json "$OUT/bench_qwen3.json" > "$OUT/bench_qwen3.log" 2>&1
-  tail -3 "$OUT/bench_qwen3.log"; rm -f "$q3model"
+  bench_synth qwen3 qwen3-30b-a3b
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
   IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"

@@ -135,8 +135,6 @@ def _check_flags(args: argparse.Namespace) -> None:
     given = [flag for flag, value in sources if value is not None]
     if len(given) > 1:
         raise InputError(f"give one of --prompt, --file and --prompt-ids, not {' and '.join(given)}")
-    if args.file is not None:
-        args.prompt = _read_prompt_file(args.file)
     if args.prompt_ids is not None:
         for flag, on in (("--interactive", args.interactive), ("--instruct", args.instruct),
                          ("--system-prompt", args.system_prompt is not None)):
@@ -167,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     from tornado_moe.tools.prompts import check_token_ids, parse_token_ids
 
     _check_flags(args)
+    if args.file is not None:  # read before the model loads: an unreadable file fails fast
+        args.prompt = _read_prompt_file(args.file)
     profiler = args.profiler or args.profiler_dump_dir is not None
     log = sys.stderr
     t0 = time.perf_counter()
