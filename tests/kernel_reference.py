@@ -38,10 +38,12 @@ __all__ = [
 F64 = torch.float64
 
 # GGML type ids of the supported weight formats: rows of any multiple of 32 values ...
-QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "BF16": 30}
-# ... and of a multiple of 256 (K types)
-K_QTYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+QTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20, "BF16": 30}
+# ... and of a multiple of 256 (the K types and IQ4_XS)
+K_QTYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23}
 QTYPE_NAMES = {v: k for k, v in {**QTYPES, **K_QTYPES}.items()}
+# the types gguf-py cannot quantize: llama.cpp's own quantizers (libgguf) write them
+LIBGGUF_QTYPES = {*K_QTYPES.values(), QTYPES["IQ4_NL"]}
 
 
 def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
@@ -51,7 +53,7 @@ def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
         raw = values
     elif qtype == QTYPES["F16"]:
         raw = values.astype(np.float16)
-    elif qtype in K_QTYPES.values():
+    elif qtype in LIBGGUF_QTYPES:
         import libgguf
 
         raw = libgguf.quantize_rows(values.reshape(-1, values.shape[-1]), qtype)

@@ -76,6 +76,25 @@ def test_embedding_is_gguf_dequantize_bitwise(device: str, qtype: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [p for p in QTYPE_PARAMS + K_QTYPE_PARAMS if p.values[0] not in (0, 1, 30)])
+def test_embedding_decodes_random_bytes_as_gguf(device: str, qtype: int) -> None:
+    """Every bit of a block format, not only what a quantizer writes (scales, mins, sign bits, high bits):
+    random bytes decode as gguf's dequantizer does, bit for bit (NaN where it gives NaN; CUDA may change a
+    NaN's payload)."""
+    rng = np.random.default_rng(7)
+    vocab, dim = 64, (512 if qtype in ref.K_QTYPES.values() else 96)
+    row_bytes = ref.quantize(np.zeros((1, dim), np.float32), qtype).shape[-1]
+    raw = rng.integers(0, 256, (vocab, row_bytes), dtype=np.uint8)
+    out = poisoned((vocab, dim), device)
+    ids = int32(list(range(vocab)), device)
+    K.embedding(qtype, torch.from_numpy(raw).to(device), ids, out, vocab, vocab, dim)
+    got, expected = out.cpu().numpy(), ref.dequantize(raw, qtype)
+    nan = np.isnan(expected)
+    assert nan.mean() < 0.25 and np.array_equal(np.isnan(got), nan)  # most values are numbers
+    assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype", [pytest.param(1, id="F16"), pytest.param(30, id="BF16")])
 def test_half_formats_widen_exactly_for_all_65536_values(device: str, qtype: int) -> None:
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -709,13 +728,13 @@ def test_unsupported_qtype_is_named(device: str) -> None:
         torch.zeros(1, 256, device=device),
         torch.zeros(1, 4, device=device),
     )
-    with pytest.raises(RuntimeError, match=r"qtype 11 \(GGML Q3_K\)"):
-        K.matmul(11, w, x, None, y, 1, 4, 256)
+    with pytest.raises(RuntimeError, match=r"qtype 16 \(GGML IQ2_XXS\)"):
+        K.matmul(16, w, x, None, y, 1, 4, 256)
     act = torch.zeros(1, 1, 4, device=device)
     with pytest.raises(
-        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 20 \(GGML IQ4_NL\)"
+        RuntimeError, match=r"tm_moe_gate_up: unsupported weight format qtype 21 \(GGML IQ3_S\)"
     ):
-        K.moe_gate_up(20, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
+        K.moe_gate_up(21, w, w, x, None, act, 1, 1, 0, 1, 1, 4, 256)
 
 
 @pytest.mark.parametrize("device", DEVICES)

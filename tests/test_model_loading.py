@@ -200,11 +200,11 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "ggml_type,hidden,tensor",
     [
-        (gguf.GGMLQuantizationType.IQ4_NL, 64, "blk.1.attn_q.weight"),
-        (gguf.GGMLQuantizationType.Q2_K, 256, "token_embd.weight"),
-        (gguf.GGMLQuantizationType.Q3_K, 256, "blk.0.ffn_down_exps.weight"),
+        (gguf.GGMLQuantizationType.MXFP4, 64, "blk.1.attn_q.weight"),
+        (gguf.GGMLQuantizationType.IQ2_XXS, 256, "token_embd.weight"),
+        (gguf.GGMLQuantizationType.IQ3_S, 256, "blk.0.ffn_down_exps.weight"),
     ],
-    ids=["IQ4_NL", "Q2_K", "Q3_K"],
+    ids=["MXFP4", "IQ2_XXS", "IQ3_S"],
 )
 def test_unsupported_quant_type(
     tmp_path: Path, ggml_type: gguf.GGMLQuantizationType, hidden: int, tensor: str

@@ -187,14 +187,15 @@ def test_quant_type_and_shape_overrides(tmp_path: Path, qtype: QuantType) -> Non
         assert np.abs(ratio).max() == 7
 
 
-FIVE_BIT_AND_K = [QuantType.Q5_0, QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K]
+FIVE_BIT_K_AND_IQ4 = [QuantType.Q5_0, QuantType.Q5_1, QuantType.IQ4_NL, QuantType.Q2_K, QuantType.Q3_K,
+                      QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.IQ4_XS]
 
 
-@pytest.mark.parametrize("qtype", FIVE_BIT_AND_K, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", FIVE_BIT_K_AND_IQ4, ids=lambda q: q.name)
 def test_k_type_models_fall_back_as_llama_cpp_and_are_well_scaled(tmp_path: Path, qtype: QuantType) -> None:
-    """A K-type model stores the matrices whose rows are not whole super-blocks in llama.cpp's fallback type
-    (the tiny preset's expert down rows of 128 values; Qwen1.5-MoE's of 1408); every weight is finite, never
-    zero, symmetric and near 1/sqrt(fan-in) in RMS."""
+    """A model in a 256-value super-block type stores the matrices whose rows are not whole super-blocks in
+    llama.cpp's fallback type (the tiny preset's expert down rows of 128 values; Qwen1.5-MoE's of 1408); every
+    weight is finite, never zero, symmetric and near 1/sqrt(fan-in) in RMS."""
     from tornado_moe.synth.random_model import K_FALLBACK
 
     spec = PRESETS["tiny"].with_overrides(n_layers=1, qtype=qtype)
@@ -214,6 +215,51 @@ def test_k_type_models_fall_back_as_llama_cpp_and_are_well_scaled(tmp_path: Path
     qwen = {p.name: p.qtype for p in plan_tensors(PRESETS["qwen1.5-moe-a2.7b"].with_overrides(qtype=qtype))}
     assert qwen["blk.0.ffn_down_exps.weight"] == K_FALLBACK.get(qtype, qtype)  # rows of 1408
     assert qwen["blk.0.ffn_gate_exps.weight"] == qwen["blk.0.ffn_down_shexp.weight"] == qtype
+
+
+def test_llama_cpp_fallbacks_of_the_low_bit_types() -> None:
+    """llama_tensor_get_type: Q2_K, Q3_K and IQ4_XS rows that are not whole super-blocks become IQ4_NL."""
+    from tornado_moe.synth.random_model import K_FALLBACK
+
+    for q in (QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_XS):
+        assert K_FALLBACK[q] == QuantType.IQ4_NL, q
+    assert QuantType.IQ4_NL not in K_FALLBACK  # 32-value blocks: nothing to fall back from
+
+
+_KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)
+# (bytes per block, offset of the fp16 d) of each type, from the layouts
+_BLOCK_D = {QuantType.Q2_K: (84, 80), QuantType.Q3_K: (110, 108), QuantType.IQ4_NL: (18, 0),
+            QuantType.IQ4_XS: (136, 0)}
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_NL, QuantType.IQ4_XS],
+                         ids=lambda q: q.name)
+def test_low_bit_weights_are_the_documented_exact_values(tmp_path: Path, qtype: QuantType) -> None:
+    """The values the generator's bit tricks promise, read back with gguf's dequantizer and the blocks' d:
+    Q2_K d*t*(2q - 3)/2 (t in 1..4, q in 0..3: multiples of d/2), Q3_K d*scale*q (odd multiples of d, scale
+    odd in [-31, 31], q in {+-1, +-3}), IQ4_NL d*KV[q], d of both signs, IQ4_XS d*s*KV[q], s +-1 or +-3."""
+    spec = PRESETS["tiny"].with_overrides(n_layers=1, qtype=qtype)
+    path = write_random_model(tmp_path / "m.gguf", spec, progress=False)
+    (t,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_gate_exps.weight"]  # rows of 256
+    assert QuantType(int(t.tensor_type)) == qtype
+    ts, at = _BLOCK_D[qtype]
+    blocks = np.asarray(t.data).reshape(-1, ts)
+    d = np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float64)  # [n_blocks, 1]
+    assert np.all(np.abs(d) >= 2.0**-14)  # normal fp16
+    v = _gguf_values(path, t.name).reshape(len(blocks), -1)
+    if qtype == QuantType.Q2_K:
+        ratio = v / (d / 2)  # t * (2q - 3)
+        assert set(np.unique(ratio)) == {t * o for t in (1, 2, 3, 4) for o in (-3, -1, 1, 3)}
+    elif qtype == QuantType.Q3_K:
+        ratio = v / d
+        assert np.array_equal(ratio, np.round(ratio)) and np.all(ratio % 2 == 1) and np.abs(ratio).max() == 93
+    elif qtype == QuantType.IQ4_NL:
+        assert np.all(np.isin(v / d, _KV)) and (d < 0).any() and (d > 0).any()
+    else:
+        sub = (v / d).reshape(-1, 32)  # sub-blocks of 32 values, one scale each
+        fits = np.stack([np.isin(sub, s * _KV).all(axis=1) for s in (-3, -1, 1, 3)])
+        assert fits.any(axis=0).all() and fits.any(axis=1).all() and (d > 0).all()  # every scale is used
+    assert abs(float((v > 0).mean()) - 0.5) < 0.02  # as many positive values as negative ones
 
 
 def test_qwen3_preset_is_the_real_shape() -> None:
@@ -245,8 +291,8 @@ def test_bad_specs_are_refused_naming_the_field() -> None:
         PRESETS["qwen1.5-moe-a2.7b"].with_overrides(n_experts=2)
     with pytest.raises(InputError, match="n_layers must be > 0"):
         PRESETS["tiny"].with_overrides(n_layers=0)
-    with pytest.raises(InputError, match="unknown quant type 'Q3_K'"):
-        PRESETS["tiny"].with_overrides(qtype="Q3_K")
+    with pytest.raises(InputError, match="unknown quant type 'IQ2_XXS'"):
+        PRESETS["tiny"].with_overrides(qtype="IQ2_XXS")
     import dataclasses
 
     with pytest.raises(InputError, match="expert_ffn 100 is not a multiple"):
@@ -425,7 +471,7 @@ def test_cli_main_entry_point_runs_synth(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--qtype", "Q3_K"], "argument --qtype: invalid choice: 'Q3_K'"),
+        (["--qtype", "IQ2_XXS"], "argument --qtype: invalid choice: 'IQ2_XXS'"),
         (["--layers", "0"], "argument --layers: expected a positive integer, got 0"),
         (["--experts", "two"], "argument --experts: expected a positive integer, got 'two'"),
         (["--preset", "gpt4"], "argument --preset: invalid choice: 'gpt4'"),

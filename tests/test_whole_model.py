@@ -44,12 +44,13 @@ def test_llama_batched_prefill_is_token_by_token(tmp_path, experts: int) -> None
 
 
 @pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1",
+                                   "IQ4_NL"])
 def test_k_quant_models_match_the_reference_and_keep_every_promise(tmp_path, device: str, qtype: str) -> None:
-    """The tiny qwen2moe in llama.cpp's K types (expert down rows of 128 values in the K type's fallback, as
-    llama.cpp stores them: the shared and routed downs then differ in format and run as two launches): logits
-    within float32 rounding of the float64 reference; fused == per-slot and the prompt in one step == token by
-    token, bit for bit."""
+    """The tiny qwen2moe in llama.cpp's K and IQ4 types (expert down rows of 128 values in the type's
+    fallback, as llama.cpp stores them: the shared and routed downs then differ in format and run as two
+    launches): logits within float32 rounding of the float64 reference; fused == per-slot and the prompt in
+    one step == token by token, bit for bit."""
     from tornado_moe.synth.random_model import PRESETS, write_random_model
 
     path = tmp_path / f"tiny-{qtype}.gguf"

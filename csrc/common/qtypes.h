@@ -13,8 +13,9 @@
 /* 1 when the kernels support weight format `qtype` (a tm_qtype value). */
 static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
   switch (qtype) {
-    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: case TM_Q4_K:
-    case TM_Q5_K: case TM_Q6_K: case TM_BF16: case TM_Q8_0_TILED: return 1;
+    case TM_F32: case TM_F16: case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: case TM_Q2_K:
+    case TM_Q3_K: case TM_Q4_K: case TM_Q5_K: case TM_Q6_K: case TM_IQ4_NL: case TM_IQ4_XS: case TM_BF16:
+    case TM_Q8_0_TILED: return 1;
     default: return 0;
   }
 }
@@ -23,8 +24,8 @@ static inline TM_HOST_DEVICE int tm_qtype_supported(int qtype) {
 static inline TM_HOST_DEVICE int64_t tm_qtype_block_size(int qtype) {
   switch (qtype) {
     case TM_F32: case TM_F16: case TM_BF16: return 1;
-    case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: return 32;
-    case TM_Q4_K: case TM_Q5_K: case TM_Q6_K: return 256;
+    case TM_Q4_0: case TM_Q4_1: case TM_Q5_0: case TM_Q5_1: case TM_Q8_0: case TM_IQ4_NL: return 32;
+    case TM_Q2_K: case TM_Q3_K: case TM_Q4_K: case TM_Q5_K: case TM_Q6_K: case TM_IQ4_XS: return 256;
     case TM_Q8_0_TILED: return 128;  /* a row is whole steps of 4 Q8_0 blocks */
     default: return 0;
   }
@@ -40,9 +41,13 @@ static inline TM_HOST_DEVICE int64_t tm_qtype_block_bytes(int qtype) {
     case TM_Q5_0: return 2 + 4 + 16;
     case TM_Q5_1: return 2 + 2 + 4 + 16;
     case TM_Q8_0: return 2 + 32;
+    case TM_Q2_K: return 16 + 64 + 2 + 2;
+    case TM_Q3_K: return 32 + 64 + 12 + 2;
     case TM_Q4_K: return 2 + 2 + 12 + 128;
     case TM_Q5_K: return 2 + 2 + 12 + 32 + 128;
     case TM_Q6_K: return 128 + 64 + 16 + 2;
+    case TM_IQ4_NL: return 2 + 16;
+    case TM_IQ4_XS: return 2 + 2 + 4 + 128;
     case TM_Q8_0_TILED: return 4 * (2 + 32);
     default: return 0;
   }
@@ -91,6 +96,42 @@ static inline TM_HOST_DEVICE int tm_q6_k_code(const uint8_t* blk, int c) {
   return (lo | (hi << 4)) - 32;
 }
 
+/* Q2_K: the 2-bit code (0..3) of value c (0..255) of the block at blk (codes at byte 16): value 128h + 32k + l
+ * is bits 2k, 2k+1 of byte 32h + l; sub-block c / 16's scale is blk[c / 16] & 15, its min blk[c / 16] >> 4. */
+static inline TM_HOST_DEVICE int tm_q2_k_code(const uint8_t* blk, int c) {
+  return (blk[16 + 32 * (c / 128) + c % 32] >> (2 * ((c % 128) / 32))) & 3;
+}
+/* Q3_K: q - 4 (-4..3) of value c of the block at blk (hmask at byte 0, codes at 32): Q2_K's code placement plus
+ * bit 4h + k of hmask[l] as the third bit. */
+static inline TM_HOST_DEVICE int tm_q3_k_code(const uint8_t* blk, int c) {
+  const int h = c / 128, k = (c % 128) / 32, l = c % 32;
+  const int lo = (blk[32 + 32 * h + l] >> (2 * k)) & 3;
+  return (lo | (((blk[l] >> (4 * h + k)) & 1) << 2)) - 4;
+}
+/* Q3_K: the signed scale (sc - 32, -32..31) of sub-block j (0..15) from the block's 12 scale bytes s: the low 4 bits
+ * are nibble j / 8 of s[j % 8], the high 2 bits are bits 2(j / 4), +1 of s[8 + j % 4]. */
+static inline TM_HOST_DEVICE int tm_q3_k_scale(const uint8_t* s, int j) {
+  return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+/* IQ4_NL / IQ4_XS: the level kv[q] of a 4-bit code (llama.cpp's kvalues_iq4nl: -127, -104, -83, -65, -49, -35,
+ * -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), packed as bytes kv + 128 of two words so that host and device share
+ * it without a table in memory; tm_iq4_levels_biased gives the words to the CUDA byte-permute lookup. */
+#define TM_IQ4_LEVELS_LO 0x766A5D4F3F2D1801ull /* kv[0..7] + 128, kv[0] in the low byte */
+#define TM_IQ4_LEVELS_HI 0xF1D9C5B5A6998D81ull /* kv[8..15] + 128 */
+static inline TM_HOST_DEVICE int tm_iq4_level(int q) {
+  const unsigned long long w = q < 8 ? TM_IQ4_LEVELS_LO : TM_IQ4_LEVELS_HI;
+  return (int)((w >> (8 * (q & 7))) & 0xFFu) - 128;
+}
+/* IQ4_NL: the code (0..15) of value c (0..31) of a block whose 16 nibble bytes start at qs (as Q4_0's). IQ4_XS's
+ * sub-block j holds the same layout at byte 8 + 16j of its block. */
+static inline TM_HOST_DEVICE int tm_iq4_code(const uint8_t* qs, int c) { return (qs[c & 15] >> (4 * (c >> 4))) & 15; }
+/* IQ4_XS: the signed scale (ls - 32) of sub-block j (0..7) of the block at blk: the low 4 bits are nibble j % 2
+ * of byte 4 + j / 2, the high 2 bits are bits 2j, 2j+1 of the uint16 at byte 2. */
+static inline TM_HOST_DEVICE int tm_iq4_xs_scale(const uint8_t* blk, int j) {
+  const unsigned high = (unsigned)blk[2] | ((unsigned)blk[3] << 8);
+  return (((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (int)(((high >> (2 * j)) & 3u) << 4)) - 32;
+}
+
 /* TM_Q8_0_TILED (layout in tornado_moe.h): byte offsets, inside a row of `cols` values, of the code of value c
  * and of the fp16 scale of block b; a stored code byte is the int8 q plus 128 (q XOR 0x80), tm_q8t_code gives q. */
 static inline TM_HOST_DEVICE int tm_q8t_code(uint8_t stored) { return static_cast<int>(stored) - 128; }
@@ -125,7 +166,7 @@ static inline const char* tm_ggml_type_name(int qtype) {
 }
 
 #define TM_SUPPORTED_QTYPES_TEXT \
-  "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), BF16 (30), " \
-  "Q8_0_TILED (264)"
+  "F32 (0), F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), " \
+  "Q6_K (14), IQ4_NL (20), IQ4_XS (23), BF16 (30), Q8_0_TILED (264)"
 
 #endif

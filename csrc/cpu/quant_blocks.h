@@ -1,9 +1,10 @@
 /*
- * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
- * Q6_K) into float32 for the CPU kernels (and TM_Q8_0_TILED, the same values re-laid out). Every value is produced
- * exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact; Q8_0 q*d, Q4_0 (q-8)*d, Q5_0
- * (q-16)*d, Q4_1 and Q5_1 q*d + m, Q4_K and Q5_K (d*sc)*q - dmin*m, Q6_K (d*scale)*(q-32), each operation a
- * rounded float32 one), so a decoded row is bitwise equal to gguf.quants.dequantize of the same bytes.
+ * quant_blocks.h - internal: decode GGUF weight rows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) into float32 for the CPU kernels (and TM_Q8_0_TILED, the same values re-laid
+ * out). Every value is produced exactly as gguf's reference dequantizer does (fp16/bf16 widening is exact; Q8_0
+ * q*d, Q4_0 (q-8)*d, Q5_0 (q-16)*d, Q4_1 and Q5_1 q*d + m, Q2_K, Q4_K and Q5_K (d*sc)*q - dmin*m, Q3_K
+ * (d*sc)*(q-4), Q6_K (d*scale)*(q-32), IQ4_NL d*kv[q], IQ4_XS (d*scale)*kv[q], each operation a rounded float32
+ * one), so a decoded row is bitwise equal to gguf.quants.dequantize of the same bytes.
  */
 #ifndef TORNADO_MOE_CPU_QUANT_BLOCKS_H
 #define TORNADO_MOE_CPU_QUANT_BLOCKS_H
@@ -139,6 +140,68 @@ inline void decode_q6_k_block(const uint8_t* blk, float* out) {
   }
 }
 
+// Q2_K: value 128h + 32k + l is bits 2k, 2k+1 of code byte 32h + l (tm_q2_k_code); sub-block j of 16 values
+// has scale blk[j] & 15 and min blk[j] >> 4.
+inline void decode_q2_k_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk + 80));
+  const float dmin = fp16_to_f32(load_u16(blk + 82));
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* qs = blk + 16 + 32 * h;
+    for (int k = 0; k < 4; ++k) {
+      for (int half = 0; half < 2; ++half) {
+        const int j = 8 * h + 2 * k + half;
+        const float dl = d * static_cast<float>(blk[j] & 15), ml = dmin * static_cast<float>(blk[j] >> 4);
+        for (int l = 16 * half; l < 16 * half + 16; ++l)
+          out[128 * h + 32 * k + l] = dl * static_cast<float>((qs[l] >> (2 * k)) & 3) - ml;
+      }
+    }
+  }
+}
+
+// Q3_K: Q2_K's code placement, the third bit from hmask (tm_q3_k_code), the signed scales of tm_q3_k_scale.
+inline void decode_q3_k_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk + 108));
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* qs = blk + 32 + 32 * h;
+    for (int k = 0; k < 4; ++k) {
+      const int hbit = 4 * h + k;
+      for (int half = 0; half < 2; ++half) {
+        const float dl = d * static_cast<float>(tm_q3_k_scale(blk + 96, 8 * h + 2 * k + half));
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int q = (((qs[l] >> (2 * k)) & 3) | (((blk[l] >> hbit) & 1) << 2)) - 4;
+          out[128 * h + 32 * k + l] = dl * static_cast<float>(q);
+        }
+      }
+    }
+  }
+}
+
+// The IQ4 levels (tm_iq4_level's packed bytes) as floats, for a table lookup per value.
+inline constexpr std::array<float, 16> kIq4Levels = [] {
+  std::array<float, 16> t{};
+  for (int q = 0; q < 16; ++q) {
+    const unsigned long long w = q < 8 ? TM_IQ4_LEVELS_LO : TM_IQ4_LEVELS_HI;
+    t[q] = static_cast<float>(static_cast<int>((w >> (8 * (q & 7))) & 0xFFu) - 128);
+  }
+  return t;
+}();
+
+// 32 values from IQ4 nibbles qs (low nibbles values 0..15, high 16..31), times the scale.
+inline void decode_iq4_values(const uint8_t* qs, float scale, float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = scale * kIq4Levels[qs[i] & 15];
+  for (int i = 0; i < 16; ++i) out[i + 16] = scale * kIq4Levels[qs[i] >> 4];
+}
+
+inline void decode_iq4_nl_block(const uint8_t* blk, float* out) {
+  decode_iq4_values(blk + 2, fp16_to_f32(load_u16(blk)), out);
+}
+
+inline void decode_iq4_xs_block(const uint8_t* blk, float* out) {
+  const float d = fp16_to_f32(load_u16(blk));
+  for (int j = 0; j < 8; ++j)
+    decode_iq4_values(blk + 8 + 16 * j, d * static_cast<float>(tm_iq4_xs_scale(blk, j)), out + 32 * j);
+}
+
 // The first n values of a row of `qtype` blocks (qtypes.h's geometry), each decoded by decode(block, out).
 template <class Decode>
 inline void decode_blocks(int qtype, const uint8_t* row, int64_t n, float* out, Decode decode) {
@@ -174,6 +237,12 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
     case TM_Q5_1:
       decode_blocks(qtype, row, n, out, decode_q5_block<true>);
       break;
+    case TM_Q2_K:
+      decode_blocks(qtype, row, n, out, decode_q2_k_block);
+      break;
+    case TM_Q3_K:
+      decode_blocks(qtype, row, n, out, decode_q3_k_block);
+      break;
     case TM_Q4_K:
       decode_blocks(qtype, row, n, out, decode_q45_k_block<false>);
       break;
@@ -182,6 +251,12 @@ inline void decode_row(int qtype, const uint8_t* row, int64_t n, float* out) {
       break;
     case TM_Q6_K:
       decode_blocks(qtype, row, n, out, decode_q6_k_block);
+      break;
+    case TM_IQ4_NL:
+      decode_blocks(qtype, row, n, out, decode_iq4_nl_block);
+      break;
+    case TM_IQ4_XS:
+      decode_blocks(qtype, row, n, out, decode_iq4_xs_block);
       break;
     case TM_Q8_0_TILED:  // the Q8_0 values at their tiled places (qtypes.h); n is the whole row
       for (int64_t b = 0; b < n / 32; ++b) {

@@ -3,9 +3,9 @@
  *
  * embedding: a grid-stride loop over the n_tokens * dim output values (256 threads a block, at most 16 blocks per
  *   SM); each value is decoded exactly as gguf's dequantizer does (quant_blocks.h's operations: Q8_0 q*d, Q4_0
- *   (q-8)*d, Q4_1 q*d + m, Q4_K (d*sc)*q - dmin*m, ..., each a rounded float32 operation), so rows are bitwise
- *   equal to gguf.quants.dequantize and to the CPU kernel. A token id outside [0, vocab) cannot be reported
- *   from the device: its row is filled with NaN.
+ *   (q-8)*d, Q4_1 q*d + m, Q4_K (d*sc)*q - dmin*m, IQ4_NL d*kv[q], ..., each a rounded float32 operation), so
+ *   rows are bitwise equal to gguf.quants.dequantize and to the CPU kernel. A token id outside [0, vocab) cannot
+ *   be reported from the device: its row is filled with NaN.
  * rmsnorm: one block of 256 threads per token (grid-stride over tokens) computing norm.cuh's tree (the one the
  *   fused kernels share); every x value is read before the barrier that precedes the writes, so x and y may alias
  *   (x is therefore read with plain loads). rmsnorm_factors: the same blocks; warp 0 evaluates the deferred form's
@@ -111,6 +111,33 @@ __device__ __forceinline__ float decode_value(int qtype, const uint8_t* row, int
       const float ml = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk + 2)), static_cast<float>(m));
       const int q = k5 ? tm_q5_k_code(blk, v) : tm_q4_k_code(blk + 16, v);
       return __fsub_rn(__fmul_rn(dl, static_cast<float>(q)), ml);
+    }
+    case TM_Q2_K: {
+      const uint8_t* blk = row + (c / 256) * 84;
+      const int v = static_cast<int>(c % 256);
+      const uint32_t sm = __ldg(blk + v / 16);
+      const float dl = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk + 80)), static_cast<float>(sm & 15u));
+      const float ml = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk + 82)), static_cast<float>(sm >> 4));
+      return __fsub_rn(__fmul_rn(dl, static_cast<float>(tm_q2_k_code(blk, v))), ml);
+    }
+    case TM_Q3_K: {
+      const uint8_t* blk = row + (c / 256) * 110;
+      const int v = static_cast<int>(c % 256);
+      const float sc = static_cast<float>(tm_q3_k_scale(blk + 96, v / 16));
+      const float dl = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk + 108)), sc);
+      return __fmul_rn(dl, static_cast<float>(tm_q3_k_code(blk, v)));
+    }
+    case TM_IQ4_NL: {
+      const uint8_t* blk = row + (c / 32) * 18;
+      const float kv = static_cast<float>(tm_iq4_level(tm_iq4_code(blk + 2, static_cast<int>(c % 32))));
+      return __fmul_rn(fp16_bits_to_f32(ldg_u16(blk)), kv);
+    }
+    case TM_IQ4_XS: {
+      const uint8_t* blk = row + (c / 256) * 136;
+      const int v = static_cast<int>(c % 256);
+      const float dl = __fmul_rn(fp16_bits_to_f32(ldg_u16(blk)), static_cast<float>(tm_iq4_xs_scale(blk, v / 32)));
+      const float kv = static_cast<float>(tm_iq4_level(tm_iq4_code(blk + 8 + 16 * (v / 32), v % 32)));
+      return __fmul_rn(dl, kv);
     }
     default: {  // TM_Q6_K
       const uint8_t* blk = row + (c / 256) * 210;

@@ -37,7 +37,7 @@ namespace tm_cuda {
 // Q8_0T / Q8_0T16 are TM_Q8_0_TILED: Q8_0's blocks, lanes and arithmetic, read from the tiled row layout with
 // 8-byte code loads, or 16-byte ones when every row is 16-byte aligned (rows of a multiple of 256 values).
 enum class Fmt : int { Q8_0, Q8_0T, Q8_0T16, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, F16X4, BF16, BF16X4, F32,
-                       F32X4 };
+                       F32X4, Q2_K, Q3_K, IQ4_NL, IQ4_XS };
 constexpr bool fmt_tiled(Fmt f) { return f == Fmt::Q8_0T || f == Fmt::Q8_0T16; }
 
 // Four floats of a weight row (read-only path) or of an activation (plain loads: it may be the previous kernel's
@@ -237,6 +237,24 @@ struct FmtTraits<Fmt::Q5_0> : Q5Traits<false> {};
 template <>
 struct FmtTraits<Fmt::Q5_1> : Q5Traits<true> {};
 
+// Two sub-blocks of a lane in the K formats with scales and mins (Q2_K, Q4_K, Q5_K): their 4 codes each (lo, hi:
+// one per byte, 0..31) times x.lo and x.hi; dm = d | dmin << 16 (fp16 bits), scm = the sub-blocks' scales sc0, sc1
+// and mins m0, m1 as bytes 0..3. v = (d*sc)*q - dmin*m, so each sub-block adds (d*sc) * sum(q x), then
+// -(dmin*m) * sum(x).
+__device__ __forceinline__ float scale_min_dot(uint32_t lo, uint32_t hi, uint32_t dm, uint32_t scm, const float4& xlo,
+                                               const float4& xhi, float acc) {
+  constexpr float kBias = 8388608.0f;  // 2^23: q
+  const float s0 = dot4_codes(lo, kBias, xlo);
+  const float s1 = dot4_codes(hi, kBias, xhi);
+  const float x0 = __fadd_rn(__fadd_rn(__fadd_rn(xlo.x, xlo.y), xlo.z), xlo.w);
+  const float x1 = __fadd_rn(__fadd_rn(__fadd_rn(xhi.x, xhi.y), xhi.z), xhi.w);
+  const float d = fp16_bits_to_f32(dm & 0xFFFFu), dmin = fp16_bits_to_f32(dm >> 16);
+  acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(scm & 0xFFu)), s0, acc);
+  acc = __fmaf_rn(-__fmul_rn(dmin, static_cast<float>((scm >> 16) & 0xFFu)), x0, acc);
+  acc = __fmaf_rn(__fmul_rn(d, static_cast<float>((scm >> 8) & 0xFFu)), s1, acc);
+  return __fmaf_rn(-__fmul_rn(dmin, static_cast<float>(scm >> 24)), x1, acc);
+}
+
 // Q4_K (144-byte blocks of 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
 // nibbles) and Q5_K (176 bytes: the same with 32 bytes of fifth bits before the nibbles); 32 lanes per block.
 // Lane p takes chunk c = p / 8 (nibble bytes 32c..32c+31) at bytes 4(p % 8)..+3: their low nibbles are values
@@ -282,18 +300,9 @@ struct Q45KTraits {
     return XFrag{ld_x4<V>(p), ld_x4<V>(p + 32)};
   }
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    constexpr float kBias = 8388608.0f;  // 2^23: q
     const uint32_t lo = (f.q & 0x0F0F0F0Fu) | ((f.h & 0x01010101u) << 4);
     const uint32_t hi = ((f.q >> 4) & 0x0F0F0F0Fu) | ((f.h & 0x02020202u) << 3);
-    const float s0 = dot4_codes(lo, kBias, x.lo);
-    const float s1 = dot4_codes(hi, kBias, x.hi);
-    const float x0 = __fadd_rn(__fadd_rn(__fadd_rn(x.lo.x, x.lo.y), x.lo.z), x.lo.w);
-    const float x1 = __fadd_rn(__fadd_rn(__fadd_rn(x.hi.x, x.hi.y), x.hi.z), x.hi.w);
-    const float d = fp16_bits_to_f32(f.dm & 0xFFFFu), dmin = fp16_bits_to_f32(f.dm >> 16);
-    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(f.scm & 0xFFu)), s0, acc);
-    acc = __fmaf_rn(-__fmul_rn(dmin, static_cast<float>((f.scm >> 16) & 0xFFu)), x0, acc);
-    acc = __fmaf_rn(__fmul_rn(d, static_cast<float>((f.scm >> 8) & 0xFFu)), s1, acc);
-    return __fmaf_rn(-__fmul_rn(dmin, static_cast<float>(f.scm >> 24)), x1, acc);
+    return scale_min_dot(lo, hi, f.dm, f.scm, x.lo, x.hi, acc);
   }
 };
 template <>
@@ -359,6 +368,122 @@ struct FmtTraits<Fmt::Q6_K> {
     acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>((sc >> 8) & 0xFFu))), s1, acc);
     acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>((sc >> 16) & 0xFFu))), s2, acc);
     return __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int8_t>(sc >> 24))), s3, acc);
+  }
+};
+
+// Q2_K (84-byte blocks of 256 values: 16 bytes of scales and mins, 64 bytes of 2-bit codes, fp16 d, fp16 dmin) and
+// Q3_K (110 bytes: 32 bytes hmask, 64 bytes of codes, 12 bytes of 6-bit scales, fp16 d); 32 lanes per block, both
+// in tm_q2_k_code's value layout. Lane p takes h = p / 16, the code pair kk = (p / 8) % 2 and l = 4(p % 8)..+3:
+// the values 128h + 32k + l for k = 2kk (lo) and 2kk + 1 (hi), bits 2k, 2k+1 of code bytes 32h + l (Q3_K: bit
+// 4h + k of hmask[l] above them). Those are sub-blocks j0 = 8h + 4kk + (p % 8 >= 4) and j0 + 2: Q2_K adds them
+// as Q4_K's (scale_min_dot); Q3_K as (d*sc) * sum((q-4) x) each, its scales signed (tm_q3_k_scale's bits).
+template <bool K3>
+struct Q23KTraits {
+  static constexpr int kQs = K3 ? 32 : 16;  // the 2-bit codes' offset
+  static constexpr int kVals = 256, kBytes = K3 ? 110 : 84, kLanes = 32, kLoadRegs = K3 ? 9 : 6;
+  struct Frag {
+    uint32_t q, dm, scm;  // q: the lane's codes, lo's in bits 0-1 (Q3_K: bit 2) and hi's in 2-3 (3) of each byte;
+                          // dm: d (| dmin << 16); scm: sc0, sc1 (Q3_K: + 32), m0, m1 as bytes
+  };
+  using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    const int h = part >> 4, kk = (part >> 3) & 1, hb = (part & 7) >= 4 ? 8 : 0;
+    const uint8_t* qs = blk + kQs + 32 * h + 4 * (part & 7);
+    const uint32_t q = ((ldg_u16(qs) | (ldg_u16(qs + 2) << 16)) >> (4 * kk)) & 0x0F0F0F0Fu;
+    const uint8_t* s = blk + (K3 ? 96 : 0) + 8 * (K3 ? 0 : h) + 4 * kk;  // the bytes of j0 % 8 - hb, then j0 + 2's
+    const uint32_t b0 = (ldg_u16(s) >> hb) & 0xFFu, b1 = (ldg_u16(s + 2) >> hb) & 0xFFu;
+    if constexpr (K3) {
+      const uint8_t* hm = blk + 4 * (part & 7);
+      const uint32_t hbits = ((ldg_u16(hm) | (ldg_u16(hm + 2) << 16)) >> (4 * h + 2 * kk)) & 0x03030303u;
+      // low 4 bits: nibble h of bytes j0 % 8 and (j0 + 2) % 8; high 2 bits: bits 2(2h + kk) of bytes 8 + j0 % 4
+      // and 8 + (j0 + 2) % 4
+      const uint32_t top0 = (ldg_u16(blk + 104) >> hb) & 0xFFu, top1 = (ldg_u16(blk + 106) >> hb) & 0xFFu;
+      const int up = 2 * (2 * h + kk);
+      const uint32_t sc0 = ((b0 >> (4 * h)) & 15u) | (((top0 >> up) & 3u) << 4);
+      const uint32_t sc1 = ((b1 >> (4 * h)) & 15u) | (((top1 >> up) & 3u) << 4);
+      const uint32_t codes = (q & 0x03030303u) | ((hbits & 0x01010101u) << 2) |          // lo: bits 0-2
+                             (((q >> 2) & 0x03030303u) | ((hbits & 0x02020202u) << 1)) << 4;  // hi: bits 4-6
+      return Frag{codes, ldg_u16(blk + 108), sc0 | (sc1 << 8)};
+    } else {
+      return Frag{q, ldg_u16(blk + 80) | (ldg_u16(blk + 82) << 16),
+                  (b0 & 15u) | ((b1 & 15u) << 8) | ((b0 >> 4) << 16) | ((b1 >> 4) << 24)};
+    }
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    const float* p = xb + 128 * (part >> 4) + 64 * ((part >> 3) & 1) + 4 * (part & 7);
+    return XFrag{ld_x4<V>(p), ld_x4<V>(p + 32)};
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    if constexpr (K3) {
+      constexpr float kBias = 8388612.0f;  // 2^23 + 4: q - 4
+      const float s0 = dot4_codes(f.q & 0x0F0F0F0Fu, kBias, x.lo);
+      const float s1 = dot4_codes((f.q >> 4) & 0x0F0F0F0Fu, kBias, x.hi);
+      const float d = fp16_bits_to_f32(f.dm);
+      acc = __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int>(f.scm & 0xFFu) - 32)), s0, acc);
+      return __fmaf_rn(__fmul_rn(d, static_cast<float>(static_cast<int>(f.scm >> 8) - 32)), s1, acc);
+    } else {
+      return scale_min_dot(f.q & 0x03030303u, (f.q >> 2) & 0x03030303u, f.dm, f.scm, x.lo, x.hi, acc);
+    }
+  }
+};
+template <>
+struct FmtTraits<Fmt::Q2_K> : Q23KTraits<false> {};
+template <>
+struct FmtTraits<Fmt::Q3_K> : Q23KTraits<true> {};
+
+// 4 codes (one per byte, 0..15) -> their IQ4 levels kv + 128 (tm_iq4_level's packed bytes), one per byte: two
+// byte-permute lookups in the halves of the table (codes & 7), a third picking the half by bit 3 of each code.
+__device__ __forceinline__ uint32_t iq4_levels_biased(uint32_t codes) {
+  const uint32_t pack = codes | (codes >> 4);
+  const uint32_t sel = (pack & 0xFFu) | ((pack >> 8) & 0xFF00u);  // nibble i = code i
+  constexpr uint64_t kLo = TM_IQ4_LEVELS_LO, kHi = TM_IQ4_LEVELS_HI;
+  const uint32_t lo = __byte_perm(static_cast<uint32_t>(kLo), static_cast<uint32_t>(kLo >> 32), sel & 0x7777u);
+  const uint32_t hi = __byte_perm(static_cast<uint32_t>(kHi), static_cast<uint32_t>(kHi >> 32), sel & 0x7777u);
+  return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
+}
+// An IQ4 lane's 8 nibble codes (q: low nibbles values 4p..4p+3, high 16+4p..) times x, as Q4_0's fma chain of
+// the levels kv[q].
+__device__ __forceinline__ float iq4_dot8(uint32_t q, const float4& xlo, const float4& xhi) {
+  constexpr float kBias = 8388736.0f;  // 2^23 + 128: the stored kv + 128
+  return dot8_codes(iq4_levels_biased(q & 0x0F0F0F0Fu), iq4_levels_biased((q >> 4) & 0x0F0F0F0Fu), kBias, xlo, xhi);
+}
+
+// IQ4_NL: 18-byte blocks (fp16 d, 16 bytes of nibbles as Q4_0's; v = d * kv[q]); Q4_0's lanes and arithmetic with
+// the levels in place of q - 8.
+template <>
+struct FmtTraits<Fmt::IQ4_NL> : FmtTraits<Fmt::Q4_0> {
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    return __fmaf_rn(fp16_bits_to_f32(f.d), iq4_dot8(f.q, x.lo, x.hi), acc);
+  }
+};
+
+// IQ4_XS: 136-byte blocks of 256 values in 8 sub-blocks of 32 (fp16 d, the uint16 of scale highs, 4 bytes of scale
+// lows, then per sub-block 16 bytes laid out as an IQ4_NL block's nibbles); 32 lanes per block. Lane p takes
+// sub-block j = p / 4 as IQ4_NL's lane p % 4; a sub-block adds (d*(ls-32)) * sum(kv[q] x).
+template <>
+struct FmtTraits<Fmt::IQ4_XS> {
+  static constexpr int kVals = 256, kBytes = 136, kLanes = 32, kLoadRegs = 5;
+  struct Frag {
+    uint32_t q, d, ls;  // ls: the sub-block's 6-bit scale (+ 32)
+  };
+  using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
+  template <bool V>
+  __device__ __forceinline__ static Frag load(const uint8_t* blk, int part) {
+    const int j = part >> 2;
+    const uint8_t* q = blk + 8 + 16 * j + 4 * (part & 3);
+    const uint32_t low = (ldg_u16(blk + 4 + 2 * (j >> 2)) >> (4 * (j & 3))) & 15u;  // nibble j % 2 of byte j / 2
+    const uint32_t high = (ldg_u16(blk + 2) >> (2 * j)) & 3u;
+    return Frag{ldg_u16(q) | (ldg_u16(q + 2) << 16), ldg_u16(blk), low | (high << 4)};
+  }
+  template <bool V>
+  __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
+    return FmtTraits<Fmt::Q4_0>::loadx<V>(xb + 32 * (part >> 2), part & 3);
+  }
+  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
+    const float dl = __fmul_rn(fp16_bits_to_f32(f.d), static_cast<float>(static_cast<int>(f.ls) - 32));
+    return __fmaf_rn(dl, iq4_dot8(f.q, x.lo, x.hi), acc);
   }
 };
 
@@ -786,6 +911,10 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
     case TM_Q4_K: return Fmt::Q4_K;
     case TM_Q5_K: return Fmt::Q5_K;
     case TM_Q6_K: return Fmt::Q6_K;
+    case TM_Q2_K: return Fmt::Q2_K;
+    case TM_Q3_K: return Fmt::Q3_K;
+    case TM_IQ4_NL: return Fmt::IQ4_NL;
+    case TM_IQ4_XS: return Fmt::IQ4_XS;
     case TM_F16: return quad ? Fmt::F16X4 : Fmt::F16;
     case TM_BF16: return quad ? Fmt::BF16X4 : Fmt::BF16;
     default: return quad ? Fmt::F32X4 : Fmt::F32;
@@ -796,8 +925,8 @@ inline Fmt fmt_for(int qtype, int64_t cols) {
 inline int64_t fmt_vals(Fmt f) {
   switch (f) {
     case Fmt::Q8_0: case Fmt::Q8_0T: case Fmt::Q8_0T16: case Fmt::Q4_0: case Fmt::Q4_1: case Fmt::Q5_0:
-    case Fmt::Q5_1: return 32;
-    case Fmt::Q4_K: case Fmt::Q5_K: case Fmt::Q6_K: return 256;
+    case Fmt::Q5_1: case Fmt::IQ4_NL: return 32;
+    case Fmt::Q2_K: case Fmt::Q3_K: case Fmt::Q4_K: case Fmt::Q5_K: case Fmt::Q6_K: case Fmt::IQ4_XS: return 256;
     case Fmt::F16X4: case Fmt::BF16X4: case Fmt::F32X4: return 4;
     default: return 1;
   }
@@ -835,6 +964,12 @@ inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
     case Fmt::Q4_K: return v ? fn(FmtTag<Fmt::Q4_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_K>{}, std::false_type{});
     case Fmt::Q5_K: return v ? fn(FmtTag<Fmt::Q5_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_K>{}, std::false_type{});
     case Fmt::Q6_K: return v ? fn(FmtTag<Fmt::Q6_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q6_K>{}, std::false_type{});
+    case Fmt::Q2_K: return v ? fn(FmtTag<Fmt::Q2_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q2_K>{}, std::false_type{});
+    case Fmt::Q3_K: return v ? fn(FmtTag<Fmt::Q3_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q3_K>{}, std::false_type{});
+    case Fmt::IQ4_NL:
+      return v ? fn(FmtTag<Fmt::IQ4_NL>{}, std::true_type{}) : fn(FmtTag<Fmt::IQ4_NL>{}, std::false_type{});
+    case Fmt::IQ4_XS:
+      return v ? fn(FmtTag<Fmt::IQ4_XS>{}, std::true_type{}) : fn(FmtTag<Fmt::IQ4_XS>{}, std::false_type{});
     case Fmt::F16X4:
       return v ? fn(FmtTag<Fmt::F16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F16X4>{}, std::false_type{});
     case Fmt::BF16X4:

@@ -55,6 +55,12 @@ typedef enum tm_qtype {
                  * v = (q-16)*d */
   TM_Q5_1 = 7,  /* 32 values: fp16 d, fp16 m, the fifth bits as Q5_0's, 16 bytes of nibbles as Q4_0; v = q*d + m */
   TM_Q8_0 = 8,  /* 32 values: fp16 d, 32 int8; v = q*d */
+  TM_Q2_K = 10, /* 256 values in 16 sub-blocks of 16: 16 bytes of 4-bit scales (low nibble) and mins (high), 64
+                 * bytes of 2-bit codes, fp16 d, fp16 dmin; value 128h + 32k + l (h < 2, k < 4, l < 32) is bits 2k,
+                 * 2k+1 of code byte 32h + l; v = (d*sc)*q - dmin*m */
+  TM_Q3_K = 11, /* 256 values in 16 sub-blocks of 16: 32 bytes hmask, 64 bytes of 2-bit codes as Q2_K's, 12 bytes
+                 * of 6-bit scales, fp16 d; value 128h + 32k + l adds bit 4h+k of hmask[l] as its third bit;
+                 * v = (d*(sc-32))*(q-4) (layout: ggml's dequantize_row_q3_K) */
   TM_Q4_K = 12, /* 256 values in 8 sub-blocks of 32: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[j] and mins
                  * m[j], 128 bytes of nibbles (bytes 32c..32c+31: low nibbles = sub-block 2c, high = 2c+1);
                  * v = (d*sc[j])*q - dmin*m[j] */
@@ -62,6 +68,10 @@ typedef enum tm_qtype {
                  * (bit j of qh[l] is the fifth bit of value l of sub-block j), 128 bytes of nibbles as Q4_K's */
   TM_Q6_K = 14, /* 256 values in 16 sub-blocks of 16: 128 bytes of low nibbles ql, 64 bytes of 2-bit high parts qh,
                  * 16 int8 scales, fp16 d; v = (d*scale[s])*(q-32) (value layout: ggml's dequantize_row_q6_K) */
+  TM_IQ4_NL = 20, /* 32 values: fp16 d, 16 bytes of nibbles as Q4_0; v = d*kv[q], kv llama.cpp's 16 non-linear
+                   * levels (-127 ... 113) */
+  TM_IQ4_XS = 23, /* 256 values in 8 sub-blocks of 32: fp16 d, uint16 of 2-bit scale highs, 4 bytes of 4-bit scale
+                   * lows, 128 bytes: sub-block j's 16 bytes as an IQ4_NL block's nibbles; v = (d*(ls-32))*kv[q] */
   TM_BF16 = 30, /* bfloat16 */
   /* Not a GGML type: Q8_0 rows re-laid out so that the GPU reads them with 8/16-byte loads (tornado_moe.quant.tiled
    * writes it). Same values, same bytes per row (34 per 32 values); rows of a multiple of 128 values, the tensor

@@ -19,7 +19,8 @@ from tornado_moe.errors import InputError
 
 __all__ = ["register", "run"]
 
-_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16")
+_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+           "F16")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,9 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--qtype",
         choices=_QTYPES,
-        help="storage type of all weight matrices; norms, biases and router weights stay F32; a K type "
-        "(Q4_K, Q5_K, Q6_K) stores matrices whose rows are not whole 256-value super-blocks as llama.cpp "
-        "does, in Q5_0, Q5_1 and Q8_0 (default: the preset's, Q8_0)",
+        help="storage type of all weight matrices; norms, biases and router weights stay F32; a 256-value "
+        "super-block type stores matrices whose rows are not whole super-blocks as llama.cpp does: Q2_K, "
+        "Q3_K and IQ4_XS in IQ4_NL, Q4_K in Q5_0, Q5_K in Q5_1, Q6_K in Q8_0 (default: the preset's, Q8_0)",
     )
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="random seed; same seed, same bytes (default: 0)"

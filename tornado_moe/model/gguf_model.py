@@ -516,8 +516,8 @@ def load_model(path: str | os.PathLike[str]) -> GGUFModel:
     Supported: ``qwen2moe`` (routed + shared experts), ``qwen3moe`` (routed experts, renormalised, and an
     RMSNorm per head on q and k) and ``llama``, dense or with experts stored as Mixtral GGUFs do (3-D
     ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q4_K, Q5_K, Q6_K (any mix, per tensor, as llama.cpp's K-quant files have); norms, biases and router
-    weights must be F32.
+    Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (any mix, per tensor, as llama.cpp's K-quant and IQ4
+    files have); norms, biases and router weights must be F32.
     """
     p = Path(path)
     _check_magic(p)

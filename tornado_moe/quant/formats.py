@@ -11,6 +11,17 @@ Layouts (little endian, one block covers ``block_size`` consecutive values of a 
 - Q5_0 (22 bytes): fp16 scale ``d``, a little-endian uint32 whose bit j is the fifth bit of value j, then 16
   bytes of nibbles as in Q4_0; value = (q - 16) * d.
 - Q5_1 (24 bytes): fp16 ``d``, fp16 ``m``, then as Q5_0; value = q * d + m.
+- IQ4_NL (18 bytes): fp16 scale ``d``, then 16 bytes of nibbles as in Q4_0; value = d * KV[q], KV being
+  llama.cpp's non-linear levels (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113).
+- Q2_K (84 bytes, 256 values in 16 sub-blocks of 16): 16 scale bytes (low nibble: scale ``sc[j]``, high
+  nibble: minimum ``m[j]`` of sub-block j), 64 bytes of 2-bit codes, fp16 ``d``, fp16 ``dmin``. Value
+  128h + 32k + l (h < 2, k < 4, l < 32) is bits 2k, 2k + 1 of code byte 32h + l;
+  value = (d * sc[j]) * q - dmin * m[j], each operation rounded.
+- Q3_K (110 bytes, 256 values in 16 sub-blocks of 16): 32 bytes ``hmask``, 64 bytes of 2-bit codes placed as
+  Q2_K's, 12 bytes of 6-bit scales, fp16 ``d``. Value 128h + 32k + l has q = low - 4 (high bit 0) or low (high
+  bit 1), the high bit being bit 4h + k of hmask[l]: q in -4..3. Sub-block j's scale: low 4 bits nibble j // 8
+  of scale byte j % 8, high 2 bits bits 2(j // 4), +1 of byte 8 + j % 4, minus 32 (-32..31);
+  value = (d * scale[j]) * q.
 - Q4_K (144 bytes, 256 values in 8 sub-blocks of 32): fp16 ``d``, fp16 ``dmin``, 12 bytes packing a 6-bit
   scale ``sc[j]`` and minimum ``m[j]`` per sub-block, then 128 bytes of nibbles (bytes 32c..32c+31: low
   nibbles are sub-block 2c, high nibbles 2c + 1); value = (d * sc[j]) * q - dmin * m[j], each operation
@@ -20,11 +31,16 @@ Layouts (little endian, one block covers ``block_size`` consecutive values of a 
 - Q6_K (210 bytes, 256 values in 16 sub-blocks of 16): 128 bytes of low nibbles, 64 bytes of 2-bit high parts,
   16 int8 scales, fp16 ``d``; value = (d * scale[s]) * (q - 32). Value 128h + 32k + l (h < 2, k < 4, l < 32)
   takes nibble k // 2 of low byte 64h + 32(k % 2) + l and bits 2k, 2k + 1 of high byte 32h + l.
+- IQ4_XS (136 bytes, 256 values in 8 sub-blocks of 32): fp16 ``d``, a little-endian uint16 ``scales_h``,
+  4 bytes ``scales_l``, then 8 x 16 bytes of nibbles, sub-block j's at 8 + 16j laid out as IQ4_NL's. Sub-block
+  j's scale: low 4 bits nibble j % 2 of scales_l[j // 2], high 2 bits bits 2j, 2j + 1 of scales_h, minus 32
+  (-32..31); value = (d * scale[j]) * KV[q].
 
 ``dequantize`` is written here, independently of ``gguf.quants``, because it is the oracle the kernels
 are checked against; the tests prove it is bit-identical to ``gguf.quants.dequantize``. ``quantize`` uses
-``gguf.quants.quantize`` for the 32-value block types and ``libgguf`` (llama.cpp's reference quantizers) for
-the K types, so files we write quantize exactly as llama.cpp's tools.
+``gguf.quants.quantize`` for the 32-value Q4_0 ... Q8_0 (and BF16), and ``libgguf`` (llama.cpp's reference
+quantizers, no importance matrix) for the K types and IQ4_NL / IQ4_XS (:data:`LIBGGUF_TYPES`), so files we
+write quantize exactly as llama.cpp's tools.
 """
 
 from __future__ import annotations
@@ -48,6 +64,8 @@ __all__ = [
     "FP16_FIELDS",
     "CODES_OFFSET",
     "K_TYPES",
+    "LIBGGUF_TYPES",
+    "IQ4_LEVELS",
     "FILE_TYPE",
 ]
 
@@ -62,9 +80,13 @@ class QuantType(enum.IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
 
 
@@ -80,15 +102,25 @@ _SIZES: dict[QuantType, tuple[int, int]] = {
     QuantType.Q4_1: (32, 20),
     QuantType.Q5_0: (32, 22),
     QuantType.Q5_1: (32, 24),
+    QuantType.IQ4_NL: (32, 18),
+    QuantType.Q2_K: (256, 84),
+    QuantType.Q3_K: (256, 110),
     QuantType.Q4_K: (256, 144),
     QuantType.Q5_K: (256, 176),
     QuantType.Q6_K: (256, 210),
+    QuantType.IQ4_XS: (256, 136),
 }
-#: the K types: 256-value super-blocks, quantized by libgguf
-K_TYPES: frozenset[QuantType] = frozenset({QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K})
+#: llama.cpp's k-quants: 256-value super-blocks of 16- or 32-value sub-blocks (IQ4_XS has super-blocks too but
+#: is not one of them)
+K_TYPES: frozenset[QuantType] = frozenset(
+    {QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
+)
+#: the types :func:`quantize` encodes with libgguf (llama.cpp's own quantizers): gguf.quants cannot
+LIBGGUF_TYPES: frozenset[QuantType] = K_TYPES | {QuantType.IQ4_NL, QuantType.IQ4_XS}
 
 #: ``general.file_type`` (llama.cpp's LlamaFileType) of a file whose weight matrices are in the type (a K type
-#: with its fallbacks for rows that are not whole super-blocks: llama.cpp's "_S" mixes)
+#: with its fallbacks for rows that are not whole super-blocks: llama.cpp's "_S" mixes where there is one;
+#: Q2_K's is MOSTLY_Q2_K, the mix llama.cpp names after the type)
 FILE_TYPE: dict[QuantType, int] = {
     QuantType.F32: 0,
     QuantType.F16: 1,
@@ -97,29 +129,43 @@ FILE_TYPE: dict[QuantType, int] = {
     QuantType.Q8_0: 7,
     QuantType.Q5_0: 8,
     QuantType.Q5_1: 9,
+    QuantType.Q2_K: 10,
+    QuantType.Q3_K: 11,
     QuantType.Q4_K: 14,
     QuantType.Q5_K: 16,
     QuantType.Q6_K: 18,
+    QuantType.IQ4_NL: 25,
+    QuantType.IQ4_XS: 30,
     QuantType.BF16: 32,
 }
 
 
-# Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m, Q4_K's dmin) and of
-# its nibbles or int8 codes: the one description of the block layouts that the decoder and the model writers
-# share.
+# Byte offsets, inside one block, of its fp16 fields (scale d, then Q4_1's minimum m, Q2_K's / Q4_K's dmin)
+# and of its nibbles, int8 or 2-bit codes (the low bits, where high bits are stored apart): the one
+# description of the block layouts that the decoder and the model writers share. Every fp16 field scales a
+# block's values linearly.
 FP16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q8_0: (0,),
     QuantType.Q4_0: (0,),
     QuantType.Q4_1: (0, 2),
     QuantType.Q5_0: (0,),
     QuantType.Q5_1: (0, 2),
+    QuantType.IQ4_NL: (0,),
+    QuantType.Q2_K: (80, 82),
+    QuantType.Q3_K: (108,),
     QuantType.Q4_K: (0, 2),
     QuantType.Q5_K: (0, 2),
     QuantType.Q6_K: (208,),
+    QuantType.IQ4_XS: (0,),
 }
 CODES_OFFSET: dict[QuantType, int] = {QuantType.Q8_0: 2, QuantType.Q4_0: 2, QuantType.Q4_1: 4,
-                                      QuantType.Q5_0: 6, QuantType.Q5_1: 8, QuantType.Q4_K: 16,
-                                      QuantType.Q5_K: 48, QuantType.Q6_K: 0}
+                                      QuantType.Q5_0: 6, QuantType.Q5_1: 8, QuantType.IQ4_NL: 2,
+                                      QuantType.Q2_K: 16, QuantType.Q3_K: 32, QuantType.Q4_K: 16,
+                                      QuantType.Q5_K: 48, QuantType.Q6_K: 0, QuantType.IQ4_XS: 8}
+
+#: IQ4_NL's and IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl), indexed by the 4-bit code
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.float32)
 
 
 def block_size(qt: QuantType) -> int:
@@ -209,6 +255,10 @@ def dequantize(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.nd
         codes = blocks[:, CODES_OFFSET[qtype]:]
         if qtype in K_TYPES:
             out = _dequantize_k(blocks, qtype, d)
+        elif qtype == QuantType.IQ4_XS:
+            out = _dequantize_iq4_xs(blocks, d)
+        elif qtype == QuantType.IQ4_NL:
+            out = d * IQ4_LEVELS[_nibbles(codes)]
         elif qtype == QuantType.Q8_0:
             q = codes.view(np.int8).astype(np.float32)
             out = q * d
@@ -238,9 +288,34 @@ def _five_bit_codes(blocks: np.ndarray, qtype: QuantType) -> np.ndarray:
     return _nibbles(blocks[:, at:]) | (fifth << np.uint8(4))
 
 
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K: [n, 64] code bytes to [n, 16, 16] uint8 2-bit codes by sub-block (value 128h + 32k + l is
+    bits 2k, 2k + 1 of byte 32h + l)."""
+    shifted = qs.reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    return (shifted & np.uint8(3)).reshape(-1, 16, 16)
+
+
 def _dequantize_k(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K / Q6_K blocks [n, bytes] to values [n, 256] (layouts in the module docstring)."""
+    """K-type blocks [n, bytes] to values [n, 256] (layouts in the module docstring)."""
     n = blocks.shape[0]
+    if qtype == QuantType.Q2_K:
+        at = CODES_OFFSET[qtype]
+        dmin = _fp16_column(blocks, FP16_FIELDS[qtype][1])
+        s = blocks[:, :at]
+        dl = (d * (s & np.uint8(0x0F)).astype(np.float32))[:, :, None]
+        ml = (dmin * (s >> np.uint8(4)).astype(np.float32))[:, :, None]
+        return (dl * _two_bit_codes(blocks[:, at:at + 64]).astype(np.float32) - ml).reshape(n, 256)
+    if qtype == QuantType.Q3_K:
+        at = CODES_OFFSET[qtype]
+        low = _two_bit_codes(blocks[:, at:at + 64]).reshape(n, 8, 32)  # [block, 4h + k, l]
+        high = (blocks[:, None, :at] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)
+        q = low.astype(np.int8) - ((high ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)  # -4..3
+        s = blocks[:, 96:108]
+        lo = np.concatenate([s[:, :8] & np.uint8(0x0F), s[:, :8] >> np.uint8(4)], axis=1)  # j = 0-7, 8-15
+        hi = (s[:, None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & np.uint8(3)
+        scale = (lo | (hi.reshape(n, 16) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(np.float32))[:, :, None]
+        return (dl * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, 256)
     if qtype in (QuantType.Q4_K, QuantType.Q5_K):
         dmin = _fp16_column(blocks, FP16_FIELDS[qtype][1])
         s = blocks[:, 4:16].astype(np.int32)
@@ -263,11 +338,25 @@ def _dequantize_k(blocks: np.ndarray, qtype: QuantType, d: np.ndarray) -> np.nda
     return (ds[:, :, None] * q.astype(np.float32)).reshape(n, 256)
 
 
+def _dequantize_iq4_xs(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks [n, 136] to values [n, 256] (layout in the module docstring)."""
+    n = blocks.shape[0]
+    sl = blocks[:, 4:8]
+    low = np.stack([sl & np.uint8(0x0F), sl >> np.uint8(4)], axis=2).reshape(n, 8)  # j: nibble j % 2
+    sh = np.ascontiguousarray(blocks[:, 2:4]).view("<u2")  # [n, 1]
+    high = ((sh >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)).astype(np.uint8)
+    scale = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    dl = (d * scale.astype(np.float32))[:, :, None]
+    q = _nibbles(blocks[:, CODES_OFFSET[QuantType.IQ4_XS]:].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl * IQ4_LEVELS[q]).reshape(n, 256)
+
+
 def quantize(values: np.ndarray, qtype: QuantType) -> np.ndarray:
     """Encode float values [..., cols] as GGML ``qtype`` bytes [..., row_bytes] (uint8, C-contiguous).
 
-    32-value block types go through ``gguf.quants.quantize`` and the K types through ``libgguf`` (llama.cpp's
-    reference rounding); float types are converted directly (F16 and BF16 round to nearest even).
+    Q4_0 ... Q8_0 go through ``gguf.quants.quantize``, :data:`LIBGGUF_TYPES` (the K types, IQ4_NL, IQ4_XS)
+    through ``libgguf`` (llama.cpp's reference rounding, no importance matrix); float types are converted
+    directly (F16 and BF16 round to nearest even).
     """
     import gguf
 
@@ -280,7 +369,7 @@ def quantize(values: np.ndarray, qtype: QuantType) -> np.ndarray:
         out = values.view(np.uint8)
     elif qtype == QuantType.F16:
         out = values.astype("<f2").view(np.uint8)
-    elif qtype in K_TYPES:
+    elif qtype in LIBGGUF_TYPES:
         import libgguf
 
         out = libgguf.quantize_rows(values.reshape(-1, values.shape[-1]), int(qtype))

@@ -13,13 +13,25 @@ operations make them valid and well-scaled:
   low nibbles) makes them odd, so the decoded values are symmetric around 0 and never zero (Q8_0: -127..127,
   Q4: (q-8) in -7..7, Q5: (q-16) in -15..15, Q6_K: (q-32) in -31..31).
 - K types: Q4_K's and Q5_K's mins equal their scales (odd 6-bit values) and dmin = 8 d (16 d), so a value is
-  d*sc*(q-8) (d*sc*(q-16)) exactly; Q6_K's int8 scales are odd, in [1, 15]. A K-type model stores the
-  matrices whose rows are not whole 256-value super-blocks as llama.cpp does (Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0): Qwen1.5-MoE's expert down rows of 1408, say.
+  d*sc*(q-8) (d*sc*(q-16)) exactly; Q6_K's int8 scales are odd, in [1, 15].
+- Q2_K: every 2-bit code q in 0..3 is kept; each sub-block's scale byte becomes sc = t in 1..4 (t - 1: two of
+  its random bits) with minimum m = 3t, and dmin = d / 2 (exponent - 1), so dmin*m = 1.5 d*sc and a value is
+  d*sc*(q - 1.5) = d*t*(2q - 3)/2 exactly (every product and the difference fit float32's 24 bits): odd
+  multiples of d*t/2 in {+-1, +-3}, symmetric, never zero.
+- Q3_K: OR-ing 0x55 into the code bytes makes every 2-bit low part odd, so q is -3, -1, 1 or 3 whatever the
+  hmask bit; OR-ing 0x11 into the first 8 scale bytes makes every 6-bit scale odd: scale - 32 odd in
+  [-31, 31], signed and never zero.
+- IQ4_NL / IQ4_XS: the nibbles stay random (every level of KV is nonzero). KV is not symmetric (mean -5.9 over
+  an RMS of 67), so IQ4_NL's d keeps its random sign bit: the values are symmetric across blocks. IQ4_XS's
+  sub-block scales are +-1 or +-3 (two random bits each: sign and size), which makes them symmetric; larger
+  ones would push d below fp16's normal range at fan-in 5632, as for Q6_K.
+- fallbacks: a model in a 256-value super-block type stores the matrices whose rows are not whole super-blocks
+  as llama.cpp does (Q2_K, Q3_K, IQ4_XS -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0): Qwen1.5-MoE's
+  expert down rows of 1408, say.
 - scales: the fp16 ``d`` keeps 10 random mantissa bits under a fixed exponent, i.e. ``d`` is uniform in
   [2^k, 2^(k+1)), with k chosen so the weights' RMS is about 1/sqrt(fan-in) (0.022 at hidden 2048), which
-  keeps activations near unit scale through the layers. Q4_1's ``m`` is exactly ``-8 d`` (exponent + 3, sign
-  bit set), Q5_1's ``-16 d``.
+  keeps activations near unit scale through the layers (IQ4_NL's ``d`` has a random sign as well). Q4_1's
+  ``m`` is exactly ``-8 d`` (exponent + 3, sign bit set), Q5_1's ``-16 d``.
 - F16 weights: random sign and mantissa under a fixed exponent (magnitudes uniform in [2^k, 2^(k+1))).
 
 F32 tensors (norms near 1, router rows with std 1/sqrt(H) so each token's top-k differs, biases, the shared
@@ -50,6 +62,7 @@ from tornado_moe.quant.formats import (
     CODES_OFFSET,
     FILE_TYPE,
     FP16_FIELDS,
+    IQ4_LEVELS,
     QuantType,
     block_size,
     row_bytes,
@@ -71,17 +84,24 @@ __all__ = [
 ]
 
 WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
-                                        QuantType.Q5_1, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+                                        QuantType.Q5_1, QuantType.IQ4_NL, QuantType.Q2_K, QuantType.Q3_K,
+                                        QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.IQ4_XS,
                                         QuantType.F16)
 """Types the generator can draw 2-D/3-D weight matrices in."""
 
-# What llama.cpp stores a K-type matrix in when its rows are not whole super-blocks (llama_tensor_get_type).
-K_FALLBACK = {QuantType.Q4_K: QuantType.Q5_0, QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0}
+# What llama.cpp stores a matrix of a 256-value super-block type in when its rows are not whole super-blocks
+# (llama_tensor_get_type).
+K_FALLBACK = {QuantType.Q2_K: QuantType.IQ4_NL, QuantType.Q3_K: QuantType.IQ4_NL,
+              QuantType.Q4_K: QuantType.Q5_0, QuantType.Q5_K: QuantType.Q5_1, QuantType.Q6_K: QuantType.Q8_0,
+              QuantType.IQ4_XS: QuantType.IQ4_NL}
 
 # RMS of a block's decoded values over d, for the values the generator leaves: odd codes c in [-n, n] have
 # RMS sqrt(((n+1)^2 - 1) / 3) (Q8_0 n = 127, Q4 n = 7: sqrt(21), Q5_0 n = 15: sqrt(85), Q6_K n = 31), times
 # the sub-block scales' RMS where a K type has them (odd in [1, 63]: sqrt(1365); Q6_K's odd in [1, 15]:
-# sqrt(85)); F16 values are sign * scale, code 1.
+# sqrt(85)); Q2_K's t*(2q - 3)/2, t in 1..4: sqrt(7.5 * 5) / 2; Q3_K's odd codes in [-3, 3] (sqrt(5)) times
+# odd scales in [-31, 31] (sqrt(341)); IQ4_NL's levels KV: sqrt(mean(KV^2)) = sqrt(4548), IQ4_XS's times
+# scales +-1, +-3 (sqrt(5)); F16 values are sign * scale, code 1.
+_KV_MEAN_SQUARE = float(np.mean(IQ4_LEVELS.astype(np.float64) ** 2))  # 4548
 _CODE_RMS = {
     QuantType.Q8_0: math.sqrt((4 * 64**2 - 1) / 3),
     QuantType.Q4_0: math.sqrt(21.0),
@@ -91,6 +111,10 @@ _CODE_RMS = {
     QuantType.Q4_K: math.sqrt(21.0 * 1365.0),
     QuantType.Q5_K: math.sqrt(85.0 * 1365.0),
     QuantType.Q6_K: math.sqrt(341.0 * 85.0),
+    QuantType.Q2_K: math.sqrt(7.5 * 5.0) / 2,
+    QuantType.Q3_K: math.sqrt(5.0 * 341.0),
+    QuantType.IQ4_NL: math.sqrt(_KV_MEAN_SQUARE),
+    QuantType.IQ4_XS: math.sqrt(_KV_MEAN_SQUARE * 5.0),
     QuantType.F16: 1.0,
 }
 _SCALE_RMS = math.sqrt(7 / 3)  # RMS of (1 + u), u uniform in [0, 1): the mantissa factor of d
@@ -344,8 +368,9 @@ def _parse_qtype(qtype: QuantType | str) -> QuantType:
 def _exponent_field(qtype: QuantType, std: float) -> int:
     """fp16 exponent field k+15 such that codes * d, d uniform in [2^k, 2^(k+1)), have RMS close to std."""
     k = round(math.log2(std / (_CODE_RMS[qtype] * _SCALE_RMS)))
-    # Normal fp16 numbers only; Q5_1's m = -16 d and Q5_K's dmin = 16 d need four more exponent steps.
-    return min(max(k + 15, 1), 26)
+    # Normal fp16 numbers only; Q5_1's m = -16 d and Q5_K's dmin = 16 d need four more exponent steps, Q2_K's
+    # dmin = d / 2 one step less.
+    return min(max(k + 15, 2 if qtype == QuantType.Q2_K else 1), 26)
 
 
 def _zero_point_exponent(qt: QuantType) -> np.uint16:
@@ -376,7 +401,7 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
     blocks = raw.reshape(n_units, ts)
     fields, codes = FP16_FIELDS[qt], blocks[:, CODES_OFFSET[qt]:]
     d = blocks[:, fields[0]:fields[0] + 2].view("<u2")
-    d &= np.uint16(0x03FF)
+    d &= np.uint16(0x83FF if qt == QuantType.IQ4_NL else 0x03FF)  # IQ4_NL: a random sign, see above
     d |= exp_bits
     if qt == QuantType.Q8_0:
         codes |= np.uint8(0x01)
@@ -399,6 +424,28 @@ def _draw_chunk(plan: TensorPlan, seed: int, chunk: int, n_units: int) -> np.nda
         blocks[:, :128] |= np.uint8(0x11)  # odd low nibbles: odd codes
         # odd scales in [1, 15]: larger ones would push d below fp16's normal range at fan-in 2048
         blocks[:, 192:208] = (blocks[:, 192:208] & np.uint8(0x0F)) | np.uint8(0x01)
+    elif qt == QuantType.Q2_K:
+        dmin = blocks[:, fields[1]:fields[1] + 2].view("<u2")
+        np.subtract(d, np.uint16(1 << 10), out=dmin)  # dmin = d / 2 exactly (d's exponent field is >= 2)
+        s = blocks[:, :CODES_OFFSET[qt]]
+        s &= np.uint8(3)
+        s += np.uint8(1)  # t in 1..4
+        s *= np.uint8(0x31)  # scale t in the low nibble, minimum 3t in the high one (3t <= 12: no carry)
+    elif qt == QuantType.Q3_K:
+        blocks[:, 32:96] |= np.uint8(0x55)  # odd 2-bit low parts: q in {-3, -1, 1, 3}
+        blocks[:, 96:104] |= np.uint8(0x11)  # odd 6-bit scales (the low 4 bits of all 16 are in bytes 0-7)
+    elif qt == QuantType.IQ4_XS:
+        # scale = 32 +- (1 or 3) from two random bits of each sub-block's low scale nibble: bit 0 the sign,
+        # bit 1 the size; then packed back into scales_l (low 4 bits) and scales_h (high 2 bits).
+        sl = blocks[:, 4:8]
+        r = np.stack([sl & np.uint8(0x0F), sl >> np.uint8(4)], axis=2).reshape(-1, 8)  # sub-block j's nibble
+        size = (r & np.uint8(2)) | np.uint8(1)  # 1 or 3
+        ls = np.where((r & np.uint8(1)).astype(bool), np.uint8(32) - size, np.uint8(32) + size)
+        sl[:] = (ls[:, 0::2] & np.uint8(0x0F)) | ((ls[:, 1::2] & np.uint8(0x0F)) << np.uint8(4))
+        high = (ls >> np.uint8(4)).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
+        blocks[:, 2:4].view("<u2")[:, 0] = np.bitwise_or.reduce(high, axis=1)
+    elif qt == QuantType.IQ4_NL:
+        pass  # random nibbles and a random sign of d (above)
     else:  # pragma: no cover - validate() restricts qtype
         raise AssertionError(qt)
     return raw
