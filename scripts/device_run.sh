@@ -45,7 +45,7 @@ PY=python3
 MODEL=${TORNADO_MOE_FULL_MODEL:-/tmp/qwen15-moe-synth.gguf}
 export TORNADO_MOE_CACHE=/tmp/tm-cache
 CLI="$PY -m tornado_moe.cli.main"
-STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep, formats, qwen3
+STAGES=${STAGES:-build,tests,kernels,bench,prefill,layout,baseline,determinism,profile,pdl}  # also: proto, tuning, ncu, sweep, formats, qwen3, olmoe
 BUDGET=${BUDGET_S:-570}
 T0=$SECONDS
 stamp() { echo "== $1 at +$((SECONDS - T0)) s"; }
@@ -226,6 +226,9 @@ if want formats; then  # decode speed of the other weight formats (not a default
 fi
 if want qwen3; then  # decode of the Qwen3-30B-A3B shape (not a default stage; ~32 GB written, then removed)
   bench_synth qwen3 qwen3-30b-a3b
+fi
+if want olmoe; then  # decode of the OLMoE-1B-7B shape (not a default stage; ~7.4 GB written, then removed)
+  bench_synth olmoe olmoe-1b-7b
 fi
 if want sweep; then  # this tree under each ENV_SWEEP setting (after the plain bench, same machine and model)
   IFS=';' read -ra SWEEPS <<< "${ENV_SWEEP:-}"

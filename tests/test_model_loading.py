@@ -299,5 +299,15 @@ def test_wrong_key_type_and_inconsistent_vocab(tmp_path: Path) -> None:
     _assert_names(e, str(p), "llama.vocab_size", "token_embd.weight")
 
 
+def test_clamped_qkv_is_refused(tmp_path: Path) -> None:
+    """OLMo-style q/k/v clamping (a key llama.cpp reads for olmo) is not silently ignored."""
+    keys, tensors = qwen2moe_spec()
+    keys["qwen2moe.attention.clamp_kqv"] = 8.0
+    p = _write(tmp_path, "c.gguf", "qwen2moe", keys, tensors)
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(p)
+    _assert_names(e, str(p), "clamp_kqv", "8")
+
+
 def test_all_errors_share_the_base_class() -> None:
     assert issubclass(ModelFileError, TornadoMoeError) and issubclass(UnsupportedModelError, TornadoMoeError)

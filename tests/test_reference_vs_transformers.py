@@ -36,7 +36,7 @@ RTOL = 1e-6
 
 
 def _build_hf(kind: str) -> torch.nn.Module:
-    torch.manual_seed({"qwen2moe": 0, "mixtral": 1, "llama": 2, "qwen3moe": 3}[kind])
+    torch.manual_seed({"qwen2moe": 0, "mixtral": 1, "llama": 2, "qwen3moe": 3, "olmoe": 4}[kind])
     common = dict(
         vocab_size=96,
         hidden_size=64,
@@ -74,6 +74,17 @@ def _build_hf(kind: str) -> torch.nn.Module:
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "olmoe":  # q and k normalised as wholes (weights of q_dim and kv_dim), 8 experts top-3
+        cfg = transformers.OlmoeConfig(
+            **common,
+            num_experts=8,
+            num_experts_per_tok=3,
+            intermediate_size=32,
+            norm_topk_prob=False,
+            clip_qkv=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = transformers.OlmoeForCausalLM(cfg)
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(
             **common,
@@ -124,7 +135,7 @@ def _hf_logits_incremental(
     return torch.cat(logits), seq
 
 
-@pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe", "mixtral", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe", "olmoe", "mixtral", "llama"])
 def test_reference_matches_transformers(tmp_path: Path, kind: str) -> None:
     hf = _build_hf(kind)
     path = tmp_path / f"{kind}.gguf"
@@ -154,16 +165,20 @@ def test_reference_matches_transformers(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_engine_runs_qwen3moe_as_the_reference(tmp_path: Path, device: str) -> None:
+@pytest.mark.parametrize("kind", ["qwen3moe", "olmoe"])
+def test_engine_runs_qk_norm_models_as_the_reference(tmp_path: Path, device: str, kind: str) -> None:
     """The engine on the converted Qwen3-MoE (per-head q/k norms as two rmsnorm tasks, no shared expert, top-k
-    renormalised, head_dim * heads != hidden): logits within float32 rounding of the float64 reference, and
-    fused == per-slot, the prompt in one step == token by token, bit for bit."""
+    renormalised, head_dim * heads != hidden) and OLMoE (q and k each normalised as a whole, top-k not
+    renormalised): logits within float32 rounding of the float64 reference, and fused == per-slot, the prompt
+    in one step == token by token, bit for bit."""
     from tornado_moe.engine import Engine, EngineOptions
 
-    path = tmp_path / "qwen3moe.gguf"
-    write_hf_model_to_gguf(_build_hf("qwen3moe"), path, qtype=QuantType.F32)
+    path = tmp_path / f"{kind}.gguf"
+    write_hf_model_to_gguf(_build_hf(kind), path, qtype=QuantType.F32)
     model = load_model(path)
-    assert model.config.qk_norm and model.config.normalize_topk and not model.config.shared_ffn
+    c = model.config
+    assert (c.qk_norm, c.normalize_topk, c.shared_ffn) == {"qwen3moe": ("head", True, 0),
+                                                           "olmoe": ("full", False, 0)}[kind]
     for fuse in (True, False):
         eng = Engine(model, EngineOptions(device=device, fuse_experts=fuse))
         assert {"attn_q_norm", "attn_k_norm"} <= {t.name for t in eng.graphs[1].tasks}

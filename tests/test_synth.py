@@ -282,6 +282,23 @@ def test_qwen3_preset_is_the_real_shape() -> None:
 
     with pytest.raises(InputError, match="qwen3moe has no shared expert"):
         dataclasses.replace(spec, shared_ffn=64).validate()
+    with pytest.raises(InputError, match="'llama': only 'qwen2moe', 'qwen3moe', 'olmoe' are synthesized"):
+        dataclasses.replace(spec, arch="llama").validate()
+
+
+def test_olmoe_preset_is_the_real_shape() -> None:
+    """OLMoE-1B-7B's published config: 16 layers, 16 heads of 128, 64 experts top-8 of 1024, q and k norms
+    of the whole projections, no biases or shared expert."""
+    spec = PRESETS["olmoe-1b-7b"]
+    shapes = {p.name: (p.shape, p.qtype) for p in plan_tensors(spec)}
+    assert shapes["blk.0.attn_q_norm.weight"] == ((2048,), QuantType.F32)
+    assert shapes["blk.0.attn_k_norm.weight"] == ((2048,), QuantType.F32)
+    assert shapes["blk.0.ffn_gate_exps.weight"][0] == (64, 1024, 2048)
+    assert shapes["blk.0.ffn_down_exps.weight"][0] == (64, 2048, 1024)
+    assert shapes["token_embd.weight"][0] == (50304, 2048)
+    assert not any("shexp" in n or n.endswith(".bias") for n in shapes)
+    assert len([n for n in shapes if n.startswith("blk.")]) == 16 * 12
+    assert 7.3e9 < model_nbytes(spec) < 7.4e9
 
 
 def test_bad_specs_are_refused_naming_the_field() -> None:

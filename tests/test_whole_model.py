@@ -81,14 +81,17 @@ def test_a_q4_k_m_style_mix_of_formats(tmp_path, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_tiny_qwen3moe_synth_model(tmp_path, device: str) -> None:
-    """The synth preset of the qwen3moe layout (heads of 128 over hidden 256, per-head q/k norms, no shared
-    expert, renormalised top-k) runs as the reference does."""
+@pytest.mark.parametrize("preset,expect", [("tiny-qwen3moe", ("qwen3moe", 128, "head", True, 0)),
+                                           ("tiny-olmoe", ("olmoe", 64, "full", False, 0))])
+def test_tiny_qk_norm_synth_models(tmp_path, device: str, preset: str, expect: tuple) -> None:
+    """The synth presets of the qwen3moe layout (heads of 128 over hidden 256, per-head q/k norms, no shared
+    expert, renormalised top-k) and of the olmoe layout (q and k each normalised as a whole, no shared expert,
+    top-k not renormalised, the routed width only under feed_forward_length) run as the reference does."""
     from tornado_moe.synth.random_model import PRESETS, write_random_model
 
-    model = load_model(write_random_model(tmp_path / "q3.gguf", PRESETS["tiny-qwen3moe"], progress=False))
+    model = load_model(write_random_model(tmp_path / "m.gguf", PRESETS[preset], progress=False))
     c = model.config
-    assert (c.arch, c.head_dim, c.qk_norm, c.normalize_topk, c.shared_ffn) == ("qwen3moe", 128, True, True, 0)
+    assert (c.arch, c.head_dim, c.qk_norm, c.normalize_topk, c.shared_ffn) == expect
     assert_reference_and_variants_agree(model, device, IDS)
 
 

@@ -31,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "synth",
         help="write a random-weight GGUF MoE model with real shapes (test and benchmark model)",
         description=(
-            "Write a qwen2moe GGUF file with random weights: the real tensor names, shapes, quant types "
-            "and metadata of the chosen preset, with random codes and fp16 scales in the block formats (no "
-            "trained weights). The file depends only on the options and --seed."
+            "Write a qwen2moe, qwen3moe or olmoe GGUF file with random weights: the real tensor names, shapes, "
+            "quant types and metadata of the chosen preset, with random codes and fp16 scales in the block "
+            "formats (no trained weights). The file depends only on the options and --seed."
         ),
     )
     parser.add_argument(
@@ -42,9 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="tiny",
         help="model shape: 'tiny' (qwen2moe, 2 layers, hidden 256, 8 experts top-2, no tokenizer; seconds "
         "on a CPU), 'tiny-qwen3moe' (the same size as qwen3moe: per-head q/k norms, heads of 128, no shared "
-        "expert), 'qwen1.5-moe-a2.7b' (24 layers, hidden 2048, 60 experts top-4, shared expert, real Qwen2 "
-        "tokenizer; ~15 GB at Q8_0) or 'qwen3-30b-a3b' (48 layers, hidden 2048, 32 heads of 128, 128 experts "
-        "top-8; ~32 GB at Q8_0) (default: %(default)s)",
+        "expert), 'tiny-olmoe' (the same size as olmoe: q and k each normalised as a whole, no shared "
+        "expert), "
+        "'qwen1.5-moe-a2.7b' (24 layers, hidden 2048, 60 experts top-4, shared expert, real Qwen2 "
+        "tokenizer; ~15 GB at Q8_0), 'qwen3-30b-a3b' (48 layers, hidden 2048, 32 heads of 128, 128 experts "
+        "top-8; ~32 GB at Q8_0) or 'olmoe-1b-7b' (16 layers, hidden 2048, 64 experts top-8 of 1024, no "
+        "tokenizer; ~7.3 GB at Q8_0) (default: %(default)s)",
     )
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="GGUF file to write")
     parser.add_argument(

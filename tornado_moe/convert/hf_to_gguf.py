@@ -6,11 +6,12 @@ Two layers:
   named as in GGUF (``"blk.0.attn_q.weight"``, numpy order shapes, see ARCHITECTURE.md section 6). It writes
   the standard ``{arch}.*`` keys, ``tokenizer.ggml.model = "none"`` unless tokenizer metadata is given,
   norms / biases / router weights as F32 and every other matrix in the requested ``qtype``.
-- :func:`write_hf_model_to_gguf` maps a transformers ``Qwen2MoeForCausalLM``, ``MixtralForCausalLM`` or
-  ``LlamaForCausalLM`` onto that, following llama.cpp's conventions: for ``llama`` files the Q/K rows of each
-  head are permuted from HF's rotate-half layout to interleaved pairs (so the loader sees a real GGUF llama
-  layout and uses "normal" RoPE); ``qwen2moe`` stays unpermuted (NEOX RoPE); Mixtral experts are stored as
-  3-D ``ffn_{gate,up,down}_exps`` tensors without ``llama.expert_feed_forward_length`` (as llama.cpp does).
+- :func:`write_hf_model_to_gguf` maps a transformers ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+  ``OlmoeForCausalLM``, ``MixtralForCausalLM`` or ``LlamaForCausalLM`` onto that, following llama.cpp's
+  conventions: for ``llama`` files the Q/K rows of each head are permuted from HF's rotate-half layout to
+  interleaved pairs (so the loader sees a real GGUF llama layout and uses "normal" RoPE); ``qwen2moe``,
+  ``qwen3moe`` and ``olmoe`` stay unpermuted (NEOX RoPE); Mixtral and OLMoE experts are stored as 3-D
+  ``ffn_{gate,up,down}_exps`` tensors without ``*.expert_feed_forward_length`` (as llama.cpp does).
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ def _add_config_keys(writer: Any, c: ModelConfig, name: str) -> None:
         if c.is_moe:
             writer.add_uint32("llama.expert_count", c.n_experts)
             writer.add_uint32("llama.expert_used_count", c.top_k)
-    else:  # qwen2moe, qwen3moe
+    else:  # qwen2moe, qwen3moe, olmoe
         writer.add_uint32(f"{a}.expert_count", c.n_experts)
         writer.add_uint32(f"{a}.expert_used_count", c.top_k)
-        writer.add_uint32(f"{a}.expert_feed_forward_length", c.expert_ffn)
+        if a == "olmoe":  # as llama.cpp's converter writes it: the expert width under the dense key
+            writer.add_uint32("olmoe.feed_forward_length", c.expert_ffn)
+        else:
+            writer.add_uint32(f"{a}.expert_feed_forward_length", c.expert_ffn)
         if c.shared_ffn:
             writer.add_uint32(f"{a}.expert_shared_feed_forward_length", c.shared_ffn)
 
@@ -205,7 +209,30 @@ def hf_config_to_model_config(hf_cfg: Any) -> ModelConfig:
             dense_ffn=0,
             normalize_topk=qwen3,
             qkv_bias=bool(getattr(hf_cfg, "attention_bias" if qwen3 else "qkv_bias", False)),
-            qk_norm=qwen3,
+            qk_norm="head" if qwen3 else "",
+            **common,
+        )
+    if mt == "olmoe":
+        if getattr(hf_cfg, "clip_qkv", None) is not None:
+            raise UnsupportedModelError("transformers olmoe: clip_qkv is not supported")
+        # GGUF has no key for it: llama.cpp never renormalises olmoe's top-k weights
+        if hf_cfg.norm_topk_prob:
+            raise UnsupportedModelError(
+                "transformers olmoe: norm_topk_prob=True cannot be expressed in GGUF"
+            )
+        if head_dim * n_heads != hf_cfg.hidden_size:  # its q/k norm weights are sized by hidden / heads
+            raise UnsupportedModelError("transformers olmoe: head_dim * heads must equal hidden_size")
+        return ModelConfig(
+            arch="olmoe",
+            neox_rope=True,
+            n_experts=hf_cfg.num_experts,
+            top_k=hf_cfg.num_experts_per_tok,
+            expert_ffn=hf_cfg.intermediate_size,
+            shared_ffn=0,
+            dense_ffn=0,
+            normalize_topk=False,
+            qkv_bias=bool(getattr(hf_cfg, "attention_bias", False)),
+            qk_norm="full",
             **common,
         )
     if mt == "mixtral":
@@ -243,7 +270,7 @@ def hf_config_to_model_config(hf_cfg: Any) -> ModelConfig:
             **common,
         )
     raise UnsupportedModelError(
-        f"transformers model type {mt!r} is not supported (qwen2_moe, qwen3_moe, mixtral, llama)"
+        f"transformers model type {mt!r} is not supported (qwen2_moe, qwen3_moe, olmoe, mixtral, llama)"
     )
 
 

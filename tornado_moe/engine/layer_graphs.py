@@ -3,7 +3,8 @@
 A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks; qwen3moe's
-  per-head norms of q and k are two more tasks between the products and RoPE). Its norm is
+  per-head norms of q and k, and olmoe's norms of all of q and of k, are two more tasks between the products
+  and RoPE). Its norm is
   deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
   xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
   each warp evaluates inv alone after them;
@@ -88,7 +89,7 @@ def _same_format(*ws: DeviceWeight) -> int:
 
 def _qkv_fused(dm: DeviceModel, i: int) -> bool:
     """Whether layer i's attention input is one qkv_rope launch (q, k and v share a weight format, and no
-    per-head norm comes between the products and RoPE)."""
+    q/k norm comes between the products and RoPE)."""
     L = dm.layers[i]
     return (not dm.config.qk_norm
             and _w(L, "attn_q").qtype == _w(L, "attn_k").qtype == _w(L, "attn_v").qtype)
@@ -149,9 +150,10 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
                    rows, H, False, act.norm_inv)
-        if cfg.qk_norm:  # each head's row of q and k normalised in place (rows of head_dim)
+        if cfg.qk_norm:  # q and k normalised in place: each head's row (rows of head_dim), or each token's
             for name, out, n in (("q", act.q, cfg.n_heads), ("k", act.k, cfg.n_kv_heads)):
-                g.task(f"attn_{name}_norm", "rmsnorm", out, _f32(L, f"attn_{name}_norm"), out, T * n, hd,
+                rows, dim = (T * n, hd) if cfg.qk_norm == "head" else (T, n * hd)
+                g.task(f"attn_{name}_norm", "rmsnorm", out, _f32(L, f"attn_{name}_norm"), out, rows, dim,
                        cfg.rms_eps)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)

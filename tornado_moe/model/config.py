@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHS"]
+__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "QK_NORMS"]
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("qwen2moe", "qwen3moe", "llama")
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen2moe", "qwen3moe", "olmoe", "llama")
+QK_NORMS: tuple[str, ...] = ("", "head", "full")
 
 
 @dataclass(frozen=True)
@@ -18,13 +19,15 @@ class ModelConfig:
     """Hyper-parameters of a decoder-only transformer with a dense or Mixture-of-Experts FFN.
 
     Field semantics:
-      - ``neox_rope``: True rotates pairs (i, i + d/2) (qwen2moe, qwen3moe); False rotates interleaved pairs
-        (2i, 2i+1), the layout GGUF ``llama`` files store their permuted Q/K rows in.
+      - ``neox_rope``: True rotates pairs (i, i + d/2) (qwen2moe, qwen3moe, olmoe); False rotates interleaved
+        pairs (2i, 2i+1), the layout GGUF ``llama`` files store their permuted Q/K rows in.
       - ``n_experts`` = 0 means a dense FFN of size ``dense_ffn``; otherwise ``top_k`` experts of size
         ``expert_ffn`` are routed per token and ``shared_ffn`` (> 0 for qwen2moe) is the gated shared expert.
       - ``normalize_topk``: whether the selected softmax probabilities are renormalised to sum to 1
-        (False for qwen2moe, True for qwen3moe and Mixtral-style llama files).
-      - ``qk_norm``: q and k get an RMSNorm per head (weights of ``head_dim``) before RoPE (qwen3moe).
+        (False for qwen2moe and olmoe, True for qwen3moe and Mixtral-style llama files).
+      - ``qk_norm``: the RMSNorm q and k get before RoPE: ``""`` none, ``"head"`` one per head (weights of
+        ``head_dim``; qwen3moe), ``"full"`` one over all of q (weights of ``q_dim``) and one over all of k
+        (``kv_dim``; olmoe).
       - ``tied_output``: the file has no ``output.weight``; logits use ``token_embd.weight``.
     """
 
@@ -47,7 +50,7 @@ class ModelConfig:
     normalize_topk: bool
     qkv_bias: bool
     tied_output: bool
-    qk_norm: bool = False
+    qk_norm: str = ""
 
     def __post_init__(self) -> None:
         # Catch inconsistent configs at construction: everything downstream trusts these invariants.
@@ -73,6 +76,8 @@ class ModelConfig:
                 problems.append("a dense model (n_experts 0) must have top_k, expert_ffn, shared_ffn all 0")
             if self.dense_ffn <= 0:
                 problems.append("dense_ffn must be > 0 for a dense model")
+        if self.qk_norm not in QK_NORMS:
+            problems.append(f"qk_norm {self.qk_norm!r} not in {QK_NORMS}")
         if self.rms_eps <= 0 or self.rope_theta <= 0:
             problems.append("rms_eps and rope_theta must be > 0")
         if problems:
@@ -105,7 +110,7 @@ class ModelConfig:
             ffn = f"dense ffn {self.dense_ffn}"
         return (
             f"{self.arch}: {self.n_layers} layers, hidden {self.hidden}, attn {attn}"
-            f"{' +qkv bias' if self.qkv_bias else ''}{' +qk norm' if self.qk_norm else ''}"
+            f"{' +qkv bias' if self.qkv_bias else ''}{f' +qk norm ({self.qk_norm})' if self.qk_norm else ''}"
             f", {ffn}, vocab {self.vocab}, ctx {self.context_length}, "
             f"rope {'neox' if self.neox_rope else 'normal'} theta {self.rope_theta:g}, eps {self.rms_eps:g}"
             f"{', tied output' if self.tied_output else ''}"

@@ -22,6 +22,9 @@ from tornado_moe.errors import ModelFileError, UnsupportedModelError
 from tornado_moe.model.config import SUPPORTED_ARCHS, ModelConfig
 from tornado_moe.quant.formats import QuantType, dequantize, row_bytes
 
+# Architectures whose files are always MoE: NEOX RoPE, the expert keys required (llama files may be dense)
+MOE_ONLY_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
+
 __all__ = ["QTensor", "GGUFModel", "load_model", "LAYER_TENSOR_NAMES", "GGUF_MAGIC"]
 
 GGUF_MAGIC = b"GGUF"
@@ -376,6 +379,11 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
             f"{path}: partial RoPE ('{arch}.rope.dimension_count' {rope_dim} != head dim {head_dim}) "
             "is not supported"
         )
+    clamp = k.get_float("{arch}.attention.clamp_kqv")
+    if clamp is not None:
+        raise UnsupportedModelError(
+            f"{path}: clamped q/k/v ('{arch}.attention.clamp_kqv' = {clamp:g}) is not supported"
+        )
     scaling = k.get_str("{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedModelError(
@@ -399,7 +407,7 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
     out = v.take("output.weight", (vocab, hidden), required=False)
 
     qkv_bias = v.present("blk.0.attn_q.bias")
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in MOE_ONLY_ARCHS:
         n_exp = _positive(path, f"{arch}.expert_count", k.get_int("{arch}.expert_count", required=True))
         top_k = _positive(
             path, f"{arch}.expert_used_count", k.get_int("{arch}.expert_used_count", required=True)
@@ -445,17 +453,17 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
             context_length=ctx,
             rms_eps=eps,
             rope_theta=theta,
-            neox_rope=arch in ("qwen2moe", "qwen3moe"),
+            neox_rope=arch in MOE_ONLY_ARCHS,
             n_experts=n_exp,
             top_k=top_k,
             expert_ffn=expert_ffn,
             shared_ffn=shared_ffn,
             dense_ffn=dense_ffn,
-            # llama.cpp renormalises Mixtral's and qwen3moe's top-k weights, never qwen2moe's
+            # llama.cpp renormalises Mixtral's and qwen3moe's top-k weights, never qwen2moe's or olmoe's
             normalize_topk=arch in ("llama", "qwen3moe") and n_exp > 0,
             qkv_bias=qkv_bias,
             tied_output=out is None,
-            qk_norm=arch == "qwen3moe",
+            qk_norm={"qwen3moe": "head", "olmoe": "full"}.get(arch, ""),
         )
     except ValueError as e:
         raise ModelFileError(f"{path}: inconsistent hyper-parameters: {e}") from e
@@ -477,8 +485,10 @@ def _validate_layer(v: _Validator, c: ModelConfig, i: int) -> dict[str, QTensor 
     }
     if c.qkv_bias:
         expect.update({"attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (kv,)})
-    if c.qk_norm:
+    if c.qk_norm == "head":
         expect.update({"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)})
+    elif c.qk_norm == "full":
+        expect.update({"attn_q_norm": (q,), "attn_k_norm": (kv,)})
     if c.is_moe:
         expect.update(
             {
@@ -514,7 +524,8 @@ def load_model(path: str | os.PathLike[str]) -> GGUFModel:
     """Open ``path`` (memory-mapped), validate it and return a :class:`GGUFModel`.
 
     Supported: ``qwen2moe`` (routed + shared experts), ``qwen3moe`` (routed experts, renormalised, and an
-    RMSNorm per head on q and k) and ``llama``, dense or with experts stored as Mixtral GGUFs do (3-D
+    RMSNorm per head on q and k), ``olmoe`` (routed experts, and one RMSNorm over all of q and one over all of
+    k) and ``llama``, dense or with experts stored as Mixtral GGUFs do (3-D
     ``ffn_*_exps`` tensors). Weight types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (any mix, per tensor, as llama.cpp's K-quant and IQ4
     files have); norms, biases and router weights must be F32.

@@ -41,6 +41,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "default": (_GPT2,),
     "gpt-2": (_GPT2,),
     "gpt2": (_GPT2,),
+    "olmo": (_GPT2,),  # OLMo / OLMoE
     "qwen2": (_QWEN2,),
     "llama-bpe": (_LLAMA3,),
     "llama3": (_LLAMA3,),

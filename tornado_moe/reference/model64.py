@@ -5,9 +5,10 @@ It dequantizes each weight once (with :func:`tornado_moe.quant.formats.dequantiz
 clarity, not speed:
 
 - ``rmsnorm(x) = x / sqrt(mean(x^2) + eps) * w``
-- q, k, v = W x (+ bias); qwen3moe: an RMSNorm of each head of q and k (weights of head_dim); RoPE on q and
-  k with angle ``pos * theta^(-2i/d)`` for pair i: NEOX pairs (i, i + d/2) for qwen2moe and qwen3moe,
-  interleaved pairs (2i, 2i+1) for GGUF llama files (their Q/K rows are permuted)
+- q, k, v = W x (+ bias); qwen3moe: an RMSNorm of each head of q and k (weights of head_dim), olmoe: one of
+  all of q and one of all of k; RoPE on q and k with angle ``pos * theta^(-2i/d)`` for pair i: NEOX pairs
+  (i, i + d/2) for qwen2moe, qwen3moe and olmoe, interleaved pairs (2i, 2i+1) for GGUF llama files (their
+  Q/K rows are permuted)
 - grouped-query causal attention, softmax of ``q.k / sqrt(head_dim)``; ``x += Wo attn``
 - FFN on ``h = rmsnorm(x)``: dense ``down(silu(gate h) * up h)``, or MoE: ``p = softmax(Wr h)`` over all
   experts, top-k by p (ties to the lowest expert id), weights = selected p (renormalised to sum 1 for
@@ -121,10 +122,12 @@ class ReferenceModel:
         q, k, v = xn @ L["attn_q"].T, xn @ L["attn_k"].T, xn @ L["attn_v"].T
         if c.qkv_bias:
             q, k, v = q + L["attn_q_bias"], k + L["attn_k_bias"], v + L["attn_v_bias"]
+        if c.qk_norm == "full":  # an RMSNorm over all of q, one over all of k
+            q, k = rmsnorm(q, L["attn_q_norm"], c.rms_eps), rmsnorm(k, L["attn_k_norm"], c.rms_eps)
         q = q.view(T, c.n_heads, c.head_dim)
         k = k.view(T, c.n_kv_heads, c.head_dim)
         v = v.view(T, c.n_kv_heads, c.head_dim)
-        if c.qk_norm:  # an RMSNorm over each head's head_dim values
+        if c.qk_norm == "head":  # an RMSNorm over each head's head_dim values
             q, k = rmsnorm(q, L["attn_q_norm"], c.rms_eps), rmsnorm(k, L["attn_k_norm"], c.rms_eps)
         pos = torch.arange(pos0, pos0 + T)
         q = rope(q, pos, c.rope_theta, c.neox_rope)

@@ -83,6 +83,9 @@ __all__ = [
     "write_random_model",
 ]
 
+SYNTH_ARCHS: tuple[str, ...] = ("qwen2moe", "qwen3moe", "olmoe")
+"""Architectures the generator writes (llama.cpp's layouts)."""
+
 WEIGHT_QTYPES: tuple[QuantType, ...] = (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
                                         QuantType.Q5_1, QuantType.IQ4_NL, QuantType.Q2_K, QuantType.Q3_K,
                                         QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K, QuantType.IQ4_XS,
@@ -179,15 +182,15 @@ class SynthSpec:
     def validate(self) -> None:
         """Raise InputError naming every inconsistent field (the writer relies on these invariants)."""
         problems: list[str] = []
-        if self.arch not in ("qwen2moe", "qwen3moe"):
-            problems.append(f"arch {self.arch!r}: only 'qwen2moe' and 'qwen3moe' can be synthesized")
+        if self.arch not in SYNTH_ARCHS:
+            problems.append(f"arch {self.arch!r}: only {', '.join(map(repr, SYNTH_ARCHS))} are synthesized")
         positive = ["n_layers", "hidden", "n_heads", "n_kv_heads", "vocab", "context_length", "n_experts",
                     "top_k", "expert_ffn"]
         for f in positive + (["shared_ffn"] if self.arch == "qwen2moe" else []):
             if getattr(self, f) <= 0:
                 problems.append(f"{f} must be > 0 (got {getattr(self, f)})")
-        if self.arch == "qwen3moe" and self.shared_ffn:
-            problems.append(f"qwen3moe has no shared expert (shared_ffn {self.shared_ffn})")
+        if self.arch != "qwen2moe" and self.shared_ffn:
+            problems.append(f"{self.arch} has no shared expert (shared_ffn {self.shared_ffn})")
         if problems:
             raise InputError("invalid synth spec: " + "; ".join(problems))
         if not self.key_length and self.hidden % self.n_heads:
@@ -277,10 +280,33 @@ PRESETS: dict[str, SynthSpec] = {
         tokenizer="qwen2",
         name="tornado-moe random Qwen3-30B-A3B shape",
     ),
+    # OLMoE-1B-7B's published shape (config.json of allenai/OLMoE-1B-7B-0924); no tokenizer (its GPT-NeoX
+    # vocabulary is not shipped offline): callers feed token ids.
+    "olmoe-1b-7b": SynthSpec(
+        arch="olmoe",
+        n_layers=16,
+        hidden=2048,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab=50_304,
+        context_length=4096,
+        n_experts=64,
+        top_k=8,
+        expert_ffn=1024,
+        shared_ffn=0,
+        rms_eps=1e-5,
+        rope_theta=1e4,
+        qtype=QuantType.Q8_0,
+        tokenizer="none",
+        name="tornado-moe random OLMoE-1B-7B shape",
+    ),
 }
 # qwen3moe at the tiny preset's size: heads wider than hidden / n_heads (4 x 128 over 256), no shared expert.
 PRESETS["tiny-qwen3moe"] = dataclasses.replace(PRESETS["tiny"], arch="qwen3moe", key_length=128, shared_ffn=0,
                                                name="tornado-moe tiny random qwen3moe")
+# olmoe at the tiny preset's size: q and k normalised as wholes, no shared expert, no biases.
+PRESETS["tiny-olmoe"] = dataclasses.replace(PRESETS["tiny"], arch="olmoe", shared_ffn=0, rms_eps=1e-5,
+                                            name="tornado-moe tiny random olmoe")
 
 
 @dataclass(frozen=True)
@@ -313,18 +339,19 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
         qt = matrix_qtype(spec.qtype, shape[-1])
         return TensorPlan(name, shape, qt, "weight", 1.0 / math.sqrt(shape[-1]))
 
-    qwen3 = spec.arch == "qwen3moe"
+    qwen2 = spec.arch == "qwen2moe"  # q/k/v biases and a shared expert; qwen3moe and olmoe: q/k norms instead
+    norm_widths = {"qwen3moe": (spec.head_dim, spec.head_dim), "olmoe": (q_dim, kv_dim)}.get(spec.arch, ())
     plans = [w("token_embd.weight", V, H)]
     for i in range(spec.n_layers):
         b = f"blk.{i}."
         plans.append(TensorPlan(b + "attn_norm.weight", (H,), f32, "norm", 0.05))
         for n, rows in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
             plans.append(w(b + f"attn_{n}.weight", rows, H))
-            if not qwen3:  # qwen2moe's q/k/v biases; qwen3moe has per-head norms instead
+            if qwen2:
                 plans.append(TensorPlan(b + f"attn_{n}.bias", (rows,), f32, "normal", 0.02))
-        if qwen3:
-            plans += [TensorPlan(b + f"attn_{n}_norm.weight", (spec.head_dim,), f32, "norm", 0.05)
-                      for n in "qk"]
+        if norm_widths:
+            plans += [TensorPlan(b + f"attn_{n}_norm.weight", (width,), f32, "norm", 0.05)
+                      for n, width in zip("qk", norm_widths, strict=True)]
         plans.append(w(b + "attn_output.weight", H, q_dim))
         plans += [
             TensorPlan(b + "ffn_norm.weight", (H,), f32, "norm", 0.05),
@@ -334,7 +361,7 @@ def plan_tensors(spec: SynthSpec) -> list[TensorPlan]:
             w(b + "ffn_up_exps.weight", E, I, H),
             w(b + "ffn_down_exps.weight", E, H, I),
         ]
-        if not qwen3:
+        if qwen2:
             plans += [
                 TensorPlan(b + "ffn_gate_inp_shexp.weight", (H,), f32, "normal", 1.0 / math.sqrt(H)),
                 w(b + "ffn_gate_shexp.weight", S, H),
@@ -489,7 +516,8 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: SynthSpec, seed: int) -> None:
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.n_experts)
     writer.add_expert_used_count(spec.top_k)
-    writer.add_expert_feed_forward_length(spec.expert_ffn)
+    if spec.arch != "olmoe":  # llama.cpp's olmoe files have only feed_forward_length (the routed width)
+        writer.add_expert_feed_forward_length(spec.expert_ffn)
     if spec.shared_ffn:
         writer.add_expert_shared_feed_forward_length(spec.shared_ffn)
     writer.add_vocab_size(spec.vocab)
