@@ -31,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "synth",
         help="write a random-weight GGUF MoE model with real shapes (test and benchmark model)",
         description=(
-            "Write a qwen2moe, qwen3moe or olmoe GGUF file with random weights: the real tensor names, shapes, "
-            "quant types and metadata of the chosen preset, with random codes and fp16 scales in the block "
-            "formats (no trained weights). The file depends only on the options and --seed."
+            "Write a qwen2moe, qwen3moe or olmoe GGUF file with random weights: the real tensor names, "
+            "shapes, quant types and metadata of the chosen preset, with random codes and fp16 scales in the "
+            "block formats (no trained weights). The file depends only on the options and --seed."
         ),
     )
     parser.add_argument(
