@@ -5,17 +5,18 @@
  * the same bits whichever kernel variant, tile shape or launch chunking asked for it.
  *
  * Lane layout and reduction order (fixed per weight format and row length, never by the launch):
- *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, 256 for Q4_K/Q5_K/Q6_K; 4 values
- *   for the F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value otherwise). kLanes
- *   lanes share a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive blocks; step s,
- *   lane l handles block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator per (row,
- *   token) and adds its blocks in increasing step order (Q8_0/Q4_0/Q5_0: acc = fma(d, sum_i q_i x_i, acc) with
- *   the in-block sum an fma chain; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q4_K/Q5_K: per
- *   sub-block of the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q6_K: per
- *   sub-block of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane
- *   accumulators are then summed by the xor butterfly of warp_sum. All arithmetic uses explicit _rn intrinsics,
- *   so the compiler cannot contract or reorder it differently in different instantiations: a row's result does
- *   not depend on how many rows or tokens the calling warp handles at once, nor on the load width.
+ *   A row is a sequence of "blocks" (32 values for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL, 256 for the K types and
+ *   IQ4_XS; 4 values for the F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value
+ *   otherwise). kLanes lanes share a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive
+ *   blocks; step s, lane l handles block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator
+ *   per (row, token) and adds its blocks in increasing step order (Q8_0/Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i
+ *   x_i, acc) with the in-block sum an fma chain, IQ4's q the level kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x,
+ *   acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of the lane, in order, fma(d*sc, sum q x, acc)
+ *   then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block of the lane, in order, fma(d*scale, sum q x,
+ *   acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
+ *   All arithmetic uses explicit _rn intrinsics, so the compiler cannot contract or reorder it differently in
+ *   different instantiations: a row's result does not depend on how many rows or tokens the calling warp handles
+ *   at once, nor on the load width.
  *
  * Loads: block formats are read as 16-bit words (blocks of 34/18/20 bytes are only 2-byte aligned); Q8_0 rows
  * re-laid out as TM_Q8_0_TILED with 16- and 8-byte loads (warp_dot_q8t); fp16/bf16/f32 rows in the x4 layouts as
@@ -382,8 +383,8 @@ struct Q23KTraits {
   static constexpr int kQs = K3 ? 32 : 16;  // the 2-bit codes' offset
   static constexpr int kVals = 256, kBytes = K3 ? 110 : 84, kLanes = 32, kLoadRegs = K3 ? 9 : 6;
   struct Frag {
-    uint32_t q, dm, scm;  // q: the lane's codes, lo's in bits 0-1 (Q3_K: bit 2) and hi's in 2-3 (3) of each byte;
-                          // dm: d (| dmin << 16); scm: sc0, sc1 (Q3_K: + 32), m0, m1 as bytes
+    uint32_t q, dm, scm;  // q: the lane's codes per byte, Q2_K lo's in bits 0-1 and hi's in 2-3, Q3_K's 3-bit
+                          // lo's in 0-2 and hi's in 4-6; dm: d (| dmin << 16); scm: sc0, sc1 (Q3_K: + 32), m0, m1
   };
   using XFrag = FmtTraits<Fmt::Q4_0>::XFrag;
   template <bool V>
