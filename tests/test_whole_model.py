@@ -114,8 +114,10 @@ ROUTE_CASES = [
     pytest.param("tiny", "cpu", id="tiny-cpu"),
     pytest.param("default", "cpu", id="default-cpu"),
     pytest.param("tiny-q5_k", "cpu", id="tiny-q5_k-cpu"),  # K types and their fallback, mixed per tensor
+    pytest.param("tiny-olmoe", "cpu", id="tiny-olmoe-cpu"),  # q/k norm tasks, the unfused qkv path
     pytest.param("tiny", "cuda", id="tiny-cuda", marks=pytest.mark.gpu),
     pytest.param("tiny-q5_k", "cuda", id="tiny-q5_k-cuda", marks=pytest.mark.gpu),
+    pytest.param("tiny-olmoe", "cuda", id="tiny-olmoe-cuda", marks=pytest.mark.gpu),
 ]
 
 
@@ -128,11 +130,11 @@ def test_java_and_torch_routes_are_bitwise_identical(which, device, fuse, tiny_m
         pytest.skip("needs a CUDA GPU")
     if which == "tiny":
         path = tiny_model_path
-    elif which == "tiny-q5_k":
+    elif which in ("tiny-q5_k", "tiny-olmoe"):
         from tornado_moe.synth.random_model import PRESETS, write_random_model
 
-        path = write_random_model(tmp_path / "q5k.gguf", PRESETS["tiny"].with_overrides(qtype="Q5_K"),
-                                  progress=False)
+        spec = PRESETS["tiny"].with_overrides(qtype="Q5_K") if which == "tiny-q5_k" else PRESETS[which]
+        path = write_random_model(tmp_path / f"{which}.gguf", spec, progress=False)
     else:  # the default model only where a case uses it: its source package need not exist on a GPU machine
         path = request.getfixturevalue("default_model_file")
     model = load_model(path)
