@@ -15,7 +15,8 @@
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
 # build's GPU tests; or a comma list of names: those only), TUNING_BENCH=1 (and bench each; or a comma list of names: those only), TUNING_PROFILE=1 (and
-# profile each benched one); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
+# profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill
+# stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
 # -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain); FFN_TIMELINE=<name> (the
 # same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with -DTM_FFN_TIMELINE=1);
@@ -163,6 +164,18 @@ if want tuning; then  # the tuning builds' tiled kernels timed
           > "$OUT/profile_tune_$name.log" 2>&1)
         grep -E "attn|attention|router|experts|chain" "$OUT/profile_tune_$name.log"
       fi
+    done
+  fi
+  if [ -n "${TUNING_PREFILL:-}" ]; then  # and prompt processing of the named builds (the prefill stage's bench)
+    [ -n "$SYNTH" ] && wait "$SYNTH"; SYNTH=""
+    for t in "${TUNES[@]}"; do
+      name=${t%%:*}
+      [[ ",$TUNING_PREFILL," == *",$name,"* ]] || continue
+      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench \
+        --model "$MODEL" --device cuda --prompt-tokens ${PREFILL_TOKENS:-512} -n 2 --repeats 3 \
+        --compare fused,graphs,torch,batched-prefill --json "$OUT/bench_prefill_tune_$name.json" \
+        > "$OUT/bench_prefill_tune_$name.log" 2>&1)
+      echo "$name prefill:"; tail -2 "$OUT/bench_prefill_tune_$name.log"
     done
   fi
 fi

@@ -613,14 +613,36 @@ __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&&
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
+// A measurement knob (results/NOTES.md lesson 116; 0: off, the product's code):
+// the down kernels' grids put tokens in x and row tiles in y. With several tokens (a prefill step) the blocks that
+// run together are then every token's for a few row tiles, so the tokens routed to one expert read its rows while
+// they are in L2, as the gate-up's pair-fastest grid already has them do; with rows in x (the product) each token's
+// experts are read whole, token after token. Each block does the same work, so the bits are the same; a decode
+// step (one token) runs the same blocks in the same order. Not for the timeline build (its stamps key on
+// blockIdx.y).
+#ifndef TM_DOWN_TOKENS_FASTEST
+#define TM_DOWN_TOKENS_FASTEST 0
+#endif
+// This block's row tile and token in a down grid; the grid of `tiles` row tiles by `tokens` tokens and its limits.
+__device__ __forceinline__ uint32_t down_tile() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.y : blockIdx.x; }
+__device__ __forceinline__ uint32_t down_token() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.x : blockIdx.y; }
+inline dim3 down_grid(int64_t tiles, int64_t tokens) {
+  const unsigned x = static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tokens : tiles);
+  return dim3(x, static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tiles : tokens));
+}
+inline int64_t down_max_tiles(const Limits& lim) { return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_yz : lim.max_grid_x; }
+inline int64_t down_max_tokens(const Limits& lim) {
+  return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_x : lim.max_grid_yz;
+}
+
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_down_kernel(DownArgs a, const float* __restrict__ gate_inp, const float* __restrict__ h, float* x,
                     int64_t slot_begin, int64_t slot_count, int gate_mode, int64_t tok0) {
   __shared__ float s_gate;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = tok0 + blockIdx.y;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
+  const int64_t t = tok0 + down_token();
+  const int64_t r = static_cast<int64_t>(down_tile()) * kRowsPerBlock + warp;
   if (a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
     prefetch_row_l2(a.w_down + r * a.row_bytes, a.row_bytes, lane);
   pdl_begin();
@@ -766,8 +788,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = tok0 + blockIdx.y;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kSplitRows;
+  const int64_t t = tok0 + down_token();
+  const int64_t r0 = static_cast<int64_t>(down_tile()) * kSplitRows;
   const bool shared_warp = warp < kSplitRows;
   // (SM) this shared warp's row copy, formed at each use (the SASS the H200 measured)
   auto row_copy = [&]() {
@@ -950,17 +972,18 @@ int down_args(const char* fn, int qtype, const void* w_down, const float* act, c
 int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs& a, bool v, const float* gate_inp,
                     const float* h, float* x, int64_t n_tokens, int64_t slot_begin, int64_t slot_count,
                     int gate_mode, cudaStream_t s) {
-  const int64_t gx = ceil_div(a.hidden, kRowsPerBlock);
-  if (gx > lim.max_grid_x)
+  const int64_t tiles = ceil_div(a.hidden, kRowsPerBlock);
+  if (tiles > down_max_tiles(lim))
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
                         static_cast<long long>(a.hidden));
   return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
-      const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                    dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
+    const int64_t per_launch = down_max_tokens(lim);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
+      const int64_t nt = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
+      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, down_grid(tiles, nt), dim3(kRowsPerBlock * 32), 0, s, a,
+                    gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
     }
     return TM_OK;
   });
@@ -1079,7 +1102,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
   const int64_t smem = (kSplitRows * top_k + kSplitRows) * static_cast<int64_t>(sizeof(float));
-  const int64_t gx = ceil_div(hidden, kSplitRows);
+  const int64_t tiles = ceil_div(hidden, kSplitRows);
   auto two_launches = [&]() -> int {
     TM_TRY(launch_moe_down(lim, fn, qtype, sh, vs, gate_inp_sh, h, x, n_tokens, 0, 1, gate_mode, s));
     TM_TRY(launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s));
@@ -1089,7 +1112,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                   0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
-  if (smem > 48 * 1024 || smem > lim.smem_block || gx > lim.max_grid_x) return two_launches();
+  if (smem > 48 * 1024 || smem > lim.smem_block || tiles > down_max_tiles(lim)) return two_launches();
   return dispatch_fmt(fmt_for(qtype, ffn_sh), vs, [&](auto fstag, auto vstag) -> int {
     return dispatch_fmt(fmt_for(qtype, ffn), vr, [&](auto frtag, auto vrtag) -> int {
       constexpr Fmt FS = decltype(fstag)::value, FR = decltype(frtag)::value;
@@ -1097,11 +1120,11 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
       if constexpr (down_pair_ok(FS, FR)) {
         auto run = [&](auto kernel, int64_t bytes) -> int {
           TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, fn));
-          for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
-            const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-            TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
-                          dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
-                          next_norm_w, xw, xss, gate_mode, t0));
+          const int64_t per_launch = down_max_tokens(lim);
+          for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
+            const int64_t nt = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
+            TM_TRY(launch(lim, fn, kernel, down_grid(tiles, nt), dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes),
+                          s, sh, rt, gate_inp_sh, h, x, next_norm_w, xw, xss, gate_mode, t0));
           }
           return TM_OK;
         };
