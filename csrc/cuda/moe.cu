@@ -613,36 +613,14 @@ __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&&
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
-// A measurement knob (results/NOTES.md lesson 116; 0: off, the product's code):
-// the down kernels' grids put tokens in x and row tiles in y. With several tokens (a prefill step) the blocks that
-// run together are then every token's for a few row tiles, so the tokens routed to one expert read its rows while
-// they are in L2, as the gate-up's pair-fastest grid already has them do; with rows in x (the product) each token's
-// experts are read whole, token after token. Each block does the same work, so the bits are the same; a decode
-// step (one token) runs the same blocks in the same order. Not for the timeline build (its stamps key on
-// blockIdx.y).
-#ifndef TM_DOWN_TOKENS_FASTEST
-#define TM_DOWN_TOKENS_FASTEST 0
-#endif
-// This block's row tile and token in a down grid; the grid of `tiles` row tiles by `tokens` tokens and its limits.
-__device__ __forceinline__ uint32_t down_tile() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.y : blockIdx.x; }
-__device__ __forceinline__ uint32_t down_token() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.x : blockIdx.y; }
-inline dim3 down_grid(int64_t tiles, int64_t tokens) {
-  const unsigned x = static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tokens : tiles);
-  return dim3(x, static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tiles : tokens));
-}
-inline int64_t down_max_tiles(const Limits& lim) { return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_yz : lim.max_grid_x; }
-inline int64_t down_max_tokens(const Limits& lim) {
-  return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_x : lim.max_grid_yz;
-}
-
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_down_kernel(DownArgs a, const float* __restrict__ gate_inp, const float* __restrict__ h, float* x,
                     int64_t slot_begin, int64_t slot_count, int gate_mode, int64_t tok0) {
   __shared__ float s_gate;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = tok0 + down_token();
-  const int64_t r = static_cast<int64_t>(down_tile()) * kRowsPerBlock + warp;
+  const int64_t t = tok0 + blockIdx.y;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp;
   if (a.ids == nullptr && r < a.hidden && t == 0)  // a shared expert: its rows are known up front
     prefetch_row_l2(a.w_down + r * a.row_bytes, a.row_bytes, lane);
   pdl_begin();
@@ -774,6 +752,28 @@ __global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const 
       xw[t * hidden + i] = norm_factor_xw(xt[i], __ldg(w + i));
     xss[k] = group_sum_sq([&](int64_t i) { return xt[i]; }, g, hidden);
   }
+}
+
+// A measurement knob (results/NOTES.md lesson 116; 0: off, the product's code): experts_down_kernel's grid puts
+// tokens in x and row tiles in y. With several tokens (a prefill step) the blocks that run together are then every
+// token's for a few row tiles, so the tokens routed to one expert read its rows while they are in L2, as the
+// gate-up's pair-fastest grid already has them do; with rows in x (the product) each token's experts are read
+// whole, token after token. Each block does the same work, so the bits are the same; a decode step (one token)
+// runs the same blocks in the same order. Row tiles beyond the y limit take the two launches (moe_down_kernel, in
+// the product's order). Not for the timeline build (its stamps key on blockIdx.y).
+#ifndef TM_DOWN_TOKENS_FASTEST
+#define TM_DOWN_TOKENS_FASTEST 0
+#endif
+// This block's row tile and token in a down grid; the grid of `tiles` row tiles by `tokens` tokens and its limits.
+__device__ __forceinline__ uint32_t down_tile() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.y : blockIdx.x; }
+__device__ __forceinline__ uint32_t down_token() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.x : blockIdx.y; }
+inline dim3 down_grid(int64_t tiles, int64_t tokens) {
+  const unsigned x = static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tokens : tiles);
+  return dim3(x, static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tiles : tokens));
+}
+inline int64_t down_max_tiles(const Limits& lim) { return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_yz : lim.max_grid_x; }
+inline int64_t down_max_tokens(const Limits& lim) {
+  return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_x : lim.max_grid_yz;
 }
 
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
@@ -972,18 +972,17 @@ int down_args(const char* fn, int qtype, const void* w_down, const float* act, c
 int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs& a, bool v, const float* gate_inp,
                     const float* h, float* x, int64_t n_tokens, int64_t slot_begin, int64_t slot_count,
                     int gate_mode, cudaStream_t s) {
-  const int64_t tiles = ceil_div(a.hidden, kRowsPerBlock);
-  if (tiles > down_max_tiles(lim))
+  const int64_t gx = ceil_div(a.hidden, kRowsPerBlock);
+  if (gx > lim.max_grid_x)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: hidden = %lld needs more blocks than the grid allows", fn,
                         static_cast<long long>(a.hidden));
   return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    const int64_t per_launch = down_max_tokens(lim);
-    for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
-      const int64_t nt = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
-      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, down_grid(tiles, nt), dim3(kRowsPerBlock * 32), 0, s, a,
-                    gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+      const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+                    dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
     }
     return TM_OK;
   });
