@@ -276,6 +276,100 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
+// A measurement knob (results/NOTES.md lesson 117; 0: off, the product's code): a gate-up of several tokens (a
+// prefill step) as grouped GEMMs. Block (g, tile) of grouped_gate_up_kernel takes the pairs of the call routed to
+// expert g (warp 0 lists them in ascending pair order) and each warp multiplies its gate and up rows with kGroupTokens
+// of their tokens at once (warp_dot with NT tokens), so a row is read once per group of tokens instead of once per
+// pair, from L1 after the first. Column g = n_experts takes the pairs whose id is out of range (NaN rows, as
+// gate_up_block writes them). Each (t, s, r) is warp_dot's value for that row and h[t], whatever the number of
+// tokens the warp takes at once (qdot.cuh), then gate_up_block's silu(g) * u: the product's bits. Calls with more
+// pairs than a block lists, or more row tiles than the y limit, and decode steps keep the product's kernels; the
+// fused router + gate-up of a prefill step takes its separate launches (router, shared gate, then these).
+#ifndef TM_GROUPED_GATE_UP
+#define TM_GROUPED_GATE_UP 0
+#endif
+#if TM_GROUPED_GATE_UP
+constexpr int kGroupTokens = 4;
+constexpr uint32_t kGroupMaxPairs = 4096;  // a block's pair list: 16 KB of shared memory
+
+// Whether grouped_gate_up_kernel takes a call of n_pairs pairs and n_tiles row tiles.
+inline bool grouped_gate_up_fits(const Limits& lim, int64_t n_tokens, int64_t n_pairs, int64_t n_tiles,
+                                 int64_t n_experts) {
+  return n_tokens > 1 && n_pairs <= kGroupMaxPairs && n_tiles <= lim.max_grid_yz && n_experts < lim.max_grid_x;
+}
+
+template <Fmt F, bool V>
+__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
+    grouped_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t n_tokens, int64_t hidden,
+                           int64_t nblocks) {
+  __shared__ uint32_t s_pairs[kGroupMaxPairs];
+  __shared__ uint32_t s_count;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t g = blockIdx.x;
+  const uint32_t slots = static_cast<uint32_t>(a.slot_count), n_pairs = static_cast<uint32_t>(n_tokens) * slots;
+  auto slot_of = [&](uint32_t p) {
+    const uint32_t t = p / slots;
+    return static_cast<int64_t>(t) * a.top_k + a.slot_begin + (p - t * slots);
+  };
+  pdl_begin();
+  if (warp == 0) {  // the pairs of group g, in ascending order
+    uint32_t count = 0;
+    for (uint32_t p0 = 0; p0 < n_pairs; p0 += 32) {
+      const uint32_t p = p0 + lane;
+      bool mine = false;
+      if (p < n_pairs) {
+        const int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot_of(p)]) : 0;
+        const bool bad = e < 0 || e >= a.n_experts;
+        mine = g < a.n_experts ? !bad && e == g : bad;
+      }
+      const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, mine);
+      if (mine) s_pairs[count + __popc(ballot & ((1u << lane) - 1u))] = p;
+      count += __popc(ballot);
+    }
+    if (lane == 0) s_count = count;
+  }
+  __syncthreads();
+  const uint32_t count = s_count;
+  const int64_t r = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp;
+  if (r >= a.ffn) return;
+  if (g == a.n_experts) {  // ids out of range
+    for (uint32_t i = 0; i < count; ++i)
+      if (lane == 0) a.act[slot_of(s_pairs[i]) * a.ffn + r] = kNaN;
+    return;
+  }
+  const int64_t off = (g * a.ffn + r) * a.row_bytes;
+  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
+  auto group = [&](uint32_t i, auto nt) {
+    constexpr int NT = decltype(nt)::value;
+    const float* xs[NT];
+    int64_t slot[NT];
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+      const uint32_t p = s_pairs[i + u];
+      slot[u] = slot_of(p);
+      xs[u] = h + static_cast<int64_t>(p / slots) * hidden;
+    }
+    float gu[2][NT];
+    warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
+    if (lane == 0)
+#pragma unroll
+      for (int u = 0; u < NT; ++u) a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(gu[0][u]), gu[1][u]);
+  };
+  uint32_t i = 0;
+  for (; i + kGroupTokens <= count; i += kGroupTokens) group(i, std::integral_constant<int, kGroupTokens>{});
+  for (; i < count; ++i) group(i, std::integral_constant<int, 1>{});
+}
+
+// One grouped launch of a call's weight set (grid: groups x row tiles).
+template <Fmt F, bool V>
+int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& a, const float* h, int64_t n_tokens,
+                           int64_t hidden, int64_t nblocks, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(a.n_experts + 1), static_cast<unsigned>(ceil_div(a.ffn, kRowsPerBlock)));
+  return launch(lim, fn, grouped_gate_up_kernel<F, V>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens, hidden,
+                nblocks);
+}
+#endif
+
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
 constexpr int kGateNone = -1;
 
@@ -1017,6 +1111,10 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
+#if TM_GROUPED_GATE_UP
+    if (grouped_gate_up_fits(lim, n_tokens, n_pairs, n_tiles, n_experts))
+      return launch_grouped_gate_up<F, V>(lim, fn, a, h, n_tokens, hidden, nblocks, s);
+#endif
     for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
@@ -1049,6 +1147,13 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
+#if TM_GROUPED_GATE_UP
+    if (grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts) &&
+        ceil_div(ffn_sh, kRowsPerBlock) <= lim.max_grid_yz) {
+      TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, n_tokens, hidden, nblocks, s)));
+      return launch_grouped_gate_up<F, V>(lim, fn, rt, h, n_tokens, hidden, nblocks, s);
+    }
+#endif
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
       TM_TRY(launch(lim, fn, experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx)), dim3(kRowsPerBlock * 32),
@@ -1164,7 +1269,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
                                     ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
   // More experts than one warp ranks, or a grid beyond the limits: the launches this one stands for.
-  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x) {
+  // (TM_GROUPED_GATE_UP: a prefill step too, so that its gate-ups are grouped.)
+  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x || (TM_GROUPED_GATE_UP && n_tokens > 1)) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
     if (gate_inp_sh != nullptr) {
