@@ -23,7 +23,7 @@ from tornado_moe.cli.common import (
     paragraph,
     positive_int,
 )
-from tornado_moe.errors import InputError
+from tornado_moe.errors import InputError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from tornado_moe.engine import Engine, GenerationStats
@@ -161,7 +161,7 @@ def _read_prompt_file(name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
-    from tornado_moe.model.tokenizer import Tokenizer
+    from tornado_moe.model.tokenizer import IDS_INSTEAD, Tokenizer
     from tornado_moe.tools.prompts import check_token_ids, parse_token_ids
 
     _check_flags(args)
@@ -173,7 +173,15 @@ def run(args: argparse.Namespace) -> int:
     path, model = load(args)
     t_load = time.perf_counter() - t0
     cfg = model.config
-    tok = Tokenizer.from_metadata(model.metadata)
+    try:
+        tok = Tokenizer.from_metadata(model.metadata)
+    except UnsupportedModelError as e:
+        if args.prompt_ids is None:
+            raise
+        # token ids in, token ids out: the tokenizer is not needed
+        reason = str(e).removesuffix(f"; {IDS_INSTEAD}")
+        print(f"{path}: {reason}: the answer is printed as token ids", file=log)
+        tok = Tokenizer.from_metadata(model.metadata, text=False)
     chat = args.interactive or args.instruct or args.system_prompt is not None
 
     prompt_ids: list[int] | None = None
@@ -312,7 +320,7 @@ class _Printer:
 
 
 def _stop_ids(tok: Tokenizer) -> tuple[int, ...]:
-    return tuple(sorted(tok.eos_ids)) if tok.has_text else ()
+    return tuple(sorted(tok.eos_ids))
 
 
 def _generate_once(engine: Engine, tok: Tokenizer, prompt_ids: list[int], args: argparse.Namespace,

@@ -19,7 +19,10 @@ from typing import Any
 
 from tornado_moe.errors import InputError, UnsupportedModelError
 
-__all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLATE"]
+__all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLATE", "IDS_INSTEAD"]
+
+# The advice that ends the errors of an unsupported tokenizer
+IDS_INSTEAD = "pass token ids (--prompt-ids) instead"
 
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
@@ -136,8 +139,13 @@ class Tokenizer:
 
     # ---------------------------------------------------------------------------------------------
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any] | None) -> Tokenizer:
-        """Build from a GGUF metadata dict (``GGUFModel.metadata``); a text-less tokenizer if none."""
+    def from_metadata(cls, metadata: Mapping[str, Any] | None, *, text: bool = True) -> Tokenizer:
+        """Build from a GGUF metadata dict (``GGUFModel.metadata``); a text-less tokenizer if none.
+
+        ``text=False`` builds the text-less one whatever the file holds (its special token ids kept, so that
+        generation from token ids still stops at the end of sequence): for a file whose tokenizer is not
+        supported, prompted with token ids.
+        """
         md = metadata or {}
         model = md.get("tokenizer.ggml.model")
 
@@ -151,18 +159,17 @@ class Tokenizer:
             eot_id=opt_id("tokenizer.ggml.eot_token_id"),
             chat_template=md.get("tokenizer.chat_template"),
         )
-        if model is None or model == "none":
+        if model is None or model == "none" or not text:
             return cls(**common)
         if model != "gpt2":
             raise UnsupportedModelError(
-                f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); pass token ids "
-                "(--prompt-ids) instead"
+                f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); {IDS_INSTEAD}"
             )
         pre = str(md.get("tokenizer.ggml.pre", "default"))
         if pre not in PRE_TOKENIZER_REGEXES:
             raise UnsupportedModelError(
                 f"tokenizer pre-tokenizer {pre!r} is not supported (supported: "
-                f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))}); pass token ids (--prompt-ids) instead"
+                f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))}); {IDS_INSTEAD}"
             )
         tokens = md.get("tokenizer.ggml.tokens")
         merges = md.get("tokenizer.ggml.merges")
