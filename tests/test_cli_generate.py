@@ -255,9 +255,9 @@ def test_bad_input_is_one_error_line(case: str, tiny_model_path: Path, tmp_path:
 
 def test_an_unsupported_tokenizer_still_generates_from_token_ids(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """A file whose tokenizer is not supported (SentencePiece, as Mixtral's GGUFs have) runs from --prompt-ids:
-    one line says why the answer comes as token ids, generation stops at the file's end-of-sequence id; text
-    prompts end in one error line."""
+    """A file whose tokenizer is not supported (SentencePiece, as Mixtral's GGUFs have) runs from
+    --prompt-ids: one line says why the answer comes as token ids, generation stops at the file's
+    end-of-sequence id; text prompts end in one error line."""
     keys, tensors = qwen2moe_spec(seed=7)
     prompt = [5, 17, 30, 42]
     greedy, _ = Engine(load_model(write_gguf_file(tmp_path / "plain.gguf", "qwen2moe", keys, tensors)),
