@@ -255,26 +255,26 @@ def test_bad_input_is_one_error_line(case: str, tiny_model_path: Path, tmp_path:
 
 def test_an_unsupported_tokenizer_still_generates_from_token_ids(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """A file whose tokenizer is not supported (SentencePiece, as Mixtral's GGUFs have) runs from
-    --prompt-ids: one line says why the answer comes as token ids, generation stops at the file's
-    end-of-sequence id; text prompts end in one error line."""
+    """A file whose tokenizer is not supported (a WordPiece vocabulary, say) runs from --prompt-ids: one line
+    says why the answer comes as token ids, generation stops at the file's end-of-sequence id; text prompts
+    end in one error line."""
     keys, tensors = qwen2moe_spec(seed=7)
     prompt = [5, 17, 30, 42]
     greedy, _ = Engine(load_model(write_gguf_file(tmp_path / "plain.gguf", "qwen2moe", keys, tensors)),
                        EngineOptions(device="cpu")).generate(prompt, 6)
     eos = greedy[3]  # the file's end of sequence: the fourth greedy token
-    keys.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [f"t{i}" for i in range(80)],
+    keys.update({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": [f"t{i}" for i in range(80)],
                  "tokenizer.ggml.eos_token_id": eos})
     spm = write_gguf_file(tmp_path / "spm.gguf", "qwen2moe", keys, tensors)
     rc, out, err = run_cli(capsys, "generate", "--model", str(spm), "--device", "cpu",
                            "--prompt-ids", ",".join(map(str, prompt)), "-n", "6")
     assert rc == 0, err
     assert [int(t) for t in out.split()] == greedy[:greedy.index(eos) + 1]
-    assert "tokenizer model 'llama' is not supported" in err and "printed as token ids" in err
+    assert "tokenizer model 'bert' is not supported" in err and "printed as token ids" in err
     assert "--prompt-ids" not in err.split("printed as token ids")[0]
     rc, _, err = run_cli(capsys, "generate", "--model", str(spm), "--device", "cpu", "--prompt", "hello")
     assert rc == 2
-    assert_one_error_line(err, "generate", "'llama' is not supported", "--prompt-ids")
+    assert_one_error_line(err, "generate", "'bert' is not supported", "--prompt-ids")
 
 
 def test_text_only_flags_on_an_ids_model_name_the_flag(tiny_model_path: Path,

@@ -221,7 +221,9 @@ def test_none_tokenizer(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizers() -> None:
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        Tokenizer.from_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(UnsupportedModelError, match="as many 'tokenizer.ggml.scores'"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(UnsupportedModelError, match="'exotic'"):
         Tokenizer.from_metadata(
@@ -294,3 +296,72 @@ def test_skip_special_hides_control_tokens_only() -> None:
     assert "".join(tok.decode_stream(ids, skip_special=True)) == "a<tool>b"
     assert tok.decode(ids) == "a<tool>b<|endoftext|>"
     assert tok.is_special(tool_id) and not tok.is_control(tool_id) and tok.is_control(eot_id)
+
+
+# ---- SentencePiece BPE ("llama" vocabularies: Llama 2, Mistral, Mixtral) ---------------------------------
+
+_SPM_WORDS = ["the", "capital", "of", "France", "is", "Paris", "mixture", "experts", "naïve", "café",
+              "über", "déjà", "vu", "tokens", "42", "2048", "hello", "world", "  ", "\t", "\n", "Ωmega",
+              "日本語", "テキスト"]
+
+
+@pytest.fixture(scope="module")
+def spm_pair() -> tuple[Tokenizer, object]:
+    """A SentencePiece BPE model trained here (llama's settings: byte fallback, identity normalisation, a
+    dummy prefix, whitespace kept) and our tokenizer built from its pieces, scores and types as a GGUF holds
+    them."""
+    import io
+    import random
+
+    spm = pytest.importorskip("sentencepiece")
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(_SPM_WORDS) for _ in range(12)) for _ in range(400)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, model_type="bpe", vocab_size=400,
+        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=True,
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, unk_id=0,
+        bos_id=1, eos_id=2, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    n = sp.get_piece_size()
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+             for i in range(n)]
+    assert types.count(6) == 256 and types.count(1) > 100  # byte pieces, and merges to order by score
+    tok = Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    })
+    return tok, sp
+
+
+SPM_TEXTS = ["The capital of France is Paris.", "  two  spaces and\ttab\nnewline",
+             "naïve café über déjà vu 12345", "日本語のテキスト 🙂 and ☃ outside the vocabulary", "", " ",
+             "x", "Ωmega-ωmega", "hello\n\nworld  ", "the the the capital capitals"]
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_encoding_is_sentencepieces(spm_pair: tuple[Tokenizer, object], text: str) -> None:
+    """Score-ordered merges, ties to the left, byte fallback: the ids sentencepiece itself gives; decoding
+    gives the text back (with the dummy prefix's space)."""
+    tok, sp = spm_pair
+    ids = tok.encode(text, add_bos=False)
+    assert ids == sp.encode(text)
+    assert tok.decode(ids) == (" " + text if text else "")
+    assert "".join(tok.decode_stream(ids)) == tok.decode(ids)
+
+
+def test_sentencepiece_specials_bos_and_file_defaults(spm_pair: tuple[Tokenizer, object]) -> None:
+    """Control tokens written in the text are matched whole, and the text after one gets the space prefix
+    (as llama.cpp does: a chat template's "<s>[INST] ..."); BOS comes first by default for these
+    vocabularies, once even where the text starts with it; byte pieces decode to their byte."""
+    tok, sp = spm_pair
+    assert tok.add_bos and repr(tok).startswith("Tokenizer(spm")
+    assert tok.encode("<s>hello world</s>", add_bos=False) == [1, *sp.encode("hello world"), 2]
+    assert tok.encode("hello") == [1, *sp.encode("hello")]
+    assert tok.encode("<s>hello") == [1, *sp.encode("hello")]
+    assert tok.decode(tok.encode("<s>hi</s>"), skip_special=True) == " hi"
+    assert tok.token_bytes(sp.piece_to_id("<0x0A>")) == b"\n"

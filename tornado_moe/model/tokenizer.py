@@ -1,10 +1,16 @@
-"""Byte-level BPE tokenizer rebuilt from GGUF metadata (``tokenizer.ggml.model == "gpt2"``).
+"""Tokenizers rebuilt from GGUF metadata: byte-level BPE (``tokenizer.ggml.model == "gpt2"``: Qwen, OLMoE,
+SmolLM, Llama 3) and SentencePiece BPE (``"llama"``: Llama 2, Mistral, Mixtral).
 
-The GGUF file carries the vocabulary (byte-level strings, e.g. ``"Ġthe"``), the merges in rank order, token
-types and the pre-tokenizer name (``tokenizer.ggml.pre``). We assemble a HuggingFace ``tokenizers.Tokenizer``
-from them: the split regex(es) that llama.cpp uses for that ``pre`` value, then the GPT-2 byte-to-unicode
-mapping, then BPE. Control (3) and user-defined (4) tokens are added as special tokens so that
-``"<|im_start|>"`` in a prompt becomes one id, as chat templates expect.
+Byte-level BPE: the GGUF file carries the vocabulary (byte-level strings, e.g. ``"Ġthe"``), the merges in rank
+order, token types and the pre-tokenizer name (``tokenizer.ggml.pre``). We assemble a HuggingFace
+``tokenizers.Tokenizer`` from them: the split regex(es) that llama.cpp uses for that ``pre`` value, then the
+GPT-2 byte-to-unicode mapping, then BPE. Control (3) and user-defined (4) tokens are added as special tokens
+so that ``"<|im_start|>"`` in a prompt becomes one id, as chat templates expect.
+
+SentencePiece BPE: the file carries the pieces (``"▁the"``, ``"<0x0A>"``), their scores and types. Special
+tokens are matched whole in the text as above; every other stretch of text has its spaces escaped to ``▁``
+(and, as llama.cpp does, one ``▁`` put in front when it starts the text or follows a special token:
+``tokenizer.ggml.add_space_prefix``) and is encoded by score-ordered merges (tornado_moe.model.spm).
 
 Decoding goes through :meth:`Tokenizer.token_bytes` (exact bytes of each token) so that the whole-string
 decoder and the streaming decoder agree byte for byte; the streaming decoder holds back an incomplete UTF-8
@@ -14,10 +20,12 @@ sequence until the token that completes it arrives.
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tornado_moe.errors import InputError, UnsupportedModelError
+from tornado_moe.model.spm import ESCAPED_SPACE, SpmEncoder
 
 __all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLATE", "IDS_INSTEAD"]
 
@@ -25,8 +33,10 @@ __all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLA
 IDS_INSTEAD = "pass token ids (--prompt-ids) instead"
 
 TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_BYTE = 6
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _QWEN2 = (
@@ -104,9 +114,12 @@ class Tokenizer:
         eot_id: int | None = None,
         add_bos: bool = False,
         chat_template: str | None = None,
+        scores: Sequence[float] | None = None,
+        add_space_prefix: bool = True,
     ) -> None:
         self.has_text = tokens is not None
         self.pre = pre
+        self.add_space_prefix = add_space_prefix
         self.bos_id = bos_id
         self.add_bos = add_bos
         self.chat_template = chat_template
@@ -134,7 +147,10 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(eos)
 
         self._hf: Any = None
-        if self.has_text:
+        self._spm: SpmEncoder | None = None  # SentencePiece vocabularies (their pieces come with scores)
+        if self.has_text and scores is not None:
+            self._spm = self._build_spm(scores)
+        elif self.has_text:
             self._hf = self._build_hf(merges or [])
 
     # ---------------------------------------------------------------------------------------------
@@ -161,9 +177,25 @@ class Tokenizer:
         )
         if model is None or model == "none" or not text:
             return cls(**common)
+        if model == "llama":
+            tokens, scores = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.scores")
+            if not tokens or scores is None or len(scores) != len(tokens):
+                raise UnsupportedModelError(
+                    "tokenizer metadata incomplete: a SentencePiece vocabulary needs 'tokenizer.ggml.tokens' "
+                    f"and as many 'tokenizer.ggml.scores'; {IDS_INSTEAD}"
+                )
+            return cls(
+                tokens=tokens,
+                token_types=md.get("tokenizer.ggml.token_type"),
+                scores=scores,
+                add_bos=bool(md.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default for these
+                add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)),
+                **common,
+            )
         if model != "gpt2":
             raise UnsupportedModelError(
-                f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); {IDS_INSTEAD}"
+                f"tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece "
+                f"'llama'); {IDS_INSTEAD}"
             )
         pre = str(md.get("tokenizer.ggml.pre", "default"))
         if pre not in PRE_TOKENIZER_REGEXES:
@@ -219,6 +251,49 @@ class Tokenizer:
             )
         return tk
 
+    def _build_spm(self, scores: Sequence[float]) -> SpmEncoder:
+        byte_ids: dict[int, int] = {}
+        for i, (t, kind) in enumerate(zip(self.tokens, self.token_types, strict=True)):
+            if kind == TOKEN_TYPE_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                byte_ids.setdefault(int(t[3:5], 16), i)
+        self._byte_of = {i: b for b, i in byte_ids.items()}
+        unk = next((i for i, kind in enumerate(self.token_types) if kind == TOKEN_TYPE_UNKNOWN), None)
+        mergeable = [kind == TOKEN_TYPE_NORMAL for kind in self.token_types]
+        if self._special:  # special tokens written in the text: matched whole, longest first
+            texts = sorted({self.tokens[i] for i in self._special}, key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, texts)))
+            self._special_id: dict[str, int] = {}
+            for i in sorted(self._special):
+                self._special_id.setdefault(self.tokens[i], i)
+        return SpmEncoder(self.tokens, scores, mergeable, byte_ids, unk)
+
+    def _encode_spm(self, text: str) -> list[int]:
+        """llama.cpp's SentencePiece path: special tokens whole, the stretches between them encoded, each with
+        a space in front where it starts the text or follows a special token (add_space_prefix)."""
+        assert self._spm is not None
+        pieces: list[tuple[str, int | None]] = []  # (text, None) or (special text, its id)
+        pos = 0
+        if self._special:
+            for m in self._special_re.finditer(text):
+                if m.start() > pos:
+                    pieces.append((text[pos:m.start()], None))
+                pieces.append((m.group(), self._special_id[m.group()]))
+                pos = m.end()
+        if pos < len(text):
+            pieces.append((text[pos:], None))
+        ids: list[int] = []
+        after_special = True
+        for chunk, special_id in pieces:
+            if special_id is not None:
+                ids.append(special_id)
+                after_special = True
+                continue
+            if self.add_space_prefix and after_special:
+                chunk = " " + chunk
+            ids += self._spm.encode(chunk.replace(" ", ESCAPED_SPACE))
+            after_special = False
+        return ids
+
     def _need_text(self) -> None:
         if not self.has_text:
             raise InputError("this model carries no tokenizer; pass token ids (--prompt-ids)")
@@ -232,12 +307,16 @@ class Tokenizer:
         self._need_text()
         if not isinstance(text, str):
             raise InputError(f"encode: expected str, got {type(text).__name__}")
-        ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
+        if self._spm is not None:
+            ids = self._encode_spm(text)
+        else:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos:
             if self.bos_id is None:
                 raise InputError("encode: add_bos requested but the model defines no BOS token")
-            ids = [self.bos_id, *ids]
+            if ids[:1] != [self.bos_id]:  # not twice where the text (a chat template) starts with it
+                ids = [self.bos_id, *ids]
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -248,6 +327,9 @@ class Tokenizer:
         tok = self.tokens[token_id]
         if token_id in self._special:
             return tok.encode("utf-8")
+        if self._spm is not None:
+            byte = self._byte_of.get(token_id)
+            return bytes([byte]) if byte is not None else tok.replace(ESCAPED_SPACE, " ").encode("utf-8")
         try:
             return bytes(_UNICODE_TO_BYTE[c] for c in tok)
         except KeyError:
@@ -264,7 +346,7 @@ class Tokenizer:
 
     @property
     def hf(self) -> Any:
-        """The underlying ``tokenizers.Tokenizer`` (None without a tokenizer)."""
+        """The underlying ``tokenizers.Tokenizer`` (None without one: no tokenizer, or SentencePiece)."""
         return self._hf
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -329,7 +411,8 @@ class Tokenizer:
         if not self.has_text:
             return "Tokenizer(none)"
         eos = sorted(self.eos_ids)
-        return f"Tokenizer(gpt2/{self.pre}, vocab {self.vocab_size}, bos {self.bos_id}, eos {eos})"
+        kind = "spm" if self._spm is not None else f"gpt2/{self.pre}"
+        return f"Tokenizer({kind}, vocab {self.vocab_size}, bos {self.bos_id}, eos {eos})"
 
 
 class StreamDecoder:
