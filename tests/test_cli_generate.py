@@ -188,6 +188,23 @@ def test_text_prompt_and_instruct_echo(text_model: Path, tmp_path: Path,
                           "<|im_start|>assistant\n")
 
 
+def test_sentencepiece_vocabulary_prompts_in_text(spm_vocab: tuple[dict, object], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A model with a SentencePiece vocabulary (as Mixtral's GGUFs have): the prompt text becomes BOS and
+    sentencepiece's own ids, the answer is the engine's tokens as text, stopping at </s>."""
+    metadata, sp = spm_vocab
+    keys, tensors = qwen2moe_spec(vocab=len(metadata["tokenizer.ggml.tokens"]), seed=3)
+    keys.update(metadata)
+    path = write_gguf_file(tmp_path / "spm.gguf", "qwen2moe", keys, tensors)
+    rc, out, err = run_cli(capsys, "generate", "--model", str(path), "--device", "cpu", "--prompt",
+                           "the capital of France", "-n", "8")
+    assert rc == 0, err
+    ids = [1, *sp.encode("the capital of France")]
+    assert summary(err)[0] == len(ids)
+    expected, _ = Engine(load_model(path), EngineOptions(device="cpu")).generate(ids, 8, stop_ids=[2])
+    assert out == Tokenizer.from_metadata(metadata).decode(expected, skip_special=True) + "\n"
+
+
 def test_interactive_chat_reuses_the_cache_and_answers_like_a_fresh_engine(
         text_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("the cat\n\nhello there\n/exit\nnever read\n"))

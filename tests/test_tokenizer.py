@@ -300,42 +300,11 @@ def test_skip_special_hides_control_tokens_only() -> None:
 
 # ---- SentencePiece BPE ("llama" vocabularies: Llama 2, Mistral, Mixtral) ---------------------------------
 
-_SPM_WORDS = ["the", "capital", "of", "France", "is", "Paris", "mixture", "experts", "naïve", "café",
-              "über", "déjà", "vu", "tokens", "42", "2048", "hello", "world", "  ", "\t", "\n", "Ωmega",
-              "日本語", "テキスト"]
-
-
 @pytest.fixture(scope="module")
-def spm_pair() -> tuple[Tokenizer, object]:
-    """A SentencePiece BPE model trained here (llama's settings: byte fallback, identity normalisation, a
-    dummy prefix, whitespace kept) and our tokenizer built from its pieces, scores and types as a GGUF holds
-    them."""
-    import io
-    import random
-
-    spm = pytest.importorskip("sentencepiece")
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(_SPM_WORDS) for _ in range(12)) for _ in range(400)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, model_type="bpe", vocab_size=400,
-        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=True,
-        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, unk_id=0,
-        bos_id=1, eos_id=2, minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    n = sp.get_piece_size()
-    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
-             for i in range(n)]
-    assert types.count(6) == 256 and types.count(1) > 100  # byte pieces, and merges to order by score
-    tok = Tokenizer.from_metadata({
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
-        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-    })
-    return tok, sp
+def spm_pair(spm_vocab: tuple[dict, object]) -> tuple[Tokenizer, object]:
+    """Our tokenizer built from conftest's SentencePiece model, as a GGUF holds it, and the model itself."""
+    metadata, sp = spm_vocab
+    return Tokenizer.from_metadata(metadata), sp
 
 
 SPM_TEXTS = ["The capital of France is Paris.", "  two  spaces and\ttab\nnewline",
