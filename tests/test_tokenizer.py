@@ -271,6 +271,22 @@ def test_pre_tokenizer_regexes_on_tiny_vocab(pre: str) -> None:
         assert tok.encode("123") == [md["tokenizer.ggml.tokens"].index("123")]
 
 
+def test_pre_tokenizer_names_share_llama_cpps_patterns() -> None:
+    """Names llama.cpp maps to one pattern (llama-vocab.cpp) get that pattern here; the llama3 ones (not
+    dbrx's or smaug's) look whole pieces up first."""
+    groups = [("gpt2", ["gpt-2", "default", "phi-2", "mpt", "olmo", "jais"]),
+              ("qwen2", ["deepseek-r1-qwen"]),
+              ("llama3", ["llama-bpe", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"]),
+              ("smollm", ["starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"])]
+    for head, names in groups:
+        for name in names:
+            assert PRE_TOKENIZER_REGEXES[name] == PRE_TOKENIZER_REGEXES[head], name
+    assert len({PRE_TOKENIZER_REGEXES[head] for head, _ in groups}) == 4
+    tok = Tokenizer(tokens=["a", "b", "ab"], merges=[], pre="dbrx")
+    assert tok.encode("ab") == [0, 1]  # no merges: dbrx splits into characters ...
+    assert Tokenizer(tokens=["a", "b", "ab"], merges=[], pre="llama-v3").encode("ab") == [2]  # ... llama3 not
+
+
 def test_chatml_fallback_and_template_errors() -> None:
     md, _ = _tiny_byte_level("qwen2")
     tok = Tokenizer.from_metadata(md)

@@ -48,23 +48,21 @@ _LLAMA3 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ``tokenizer.ggml.pre`` -> regexes applied in sequence (each splits the pieces of the previous one),
-# as llama.cpp does. "default"/"gpt-2" use the plain GPT-2 pattern.
+# ``tokenizer.ggml.pre`` -> regexes applied in sequence (each splits the pieces of the previous one), as
+# llama.cpp does; the names it gives one pattern are grouped (llama-vocab.cpp), so files naming any load.
+_PRE_GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
+    (_GPT2,): ("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"),
+    (_QWEN2,): ("qwen2", "deepseek-r1-qwen"),
+    (_LLAMA3,): ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe"),
+    # every digit its own piece, then GPT-2 splitting
+    (r"\p{N}", _GPT2): ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+}
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "gpt2": (_GPT2,),
-    "olmo": (_GPT2,),  # OLMo / OLMoE
-    "qwen2": (_QWEN2,),
-    "llama-bpe": (_LLAMA3,),
-    "llama3": (_LLAMA3,),
-    # SmolLM / StarCoder: every digit is its own piece, then GPT-2 splitting.
-    "smollm": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
+    name: regexes for regexes, names in _PRE_GROUPS.items() for name in names
 }
 
 # pre-tokenizers whose BPE first looks the whole piece up in the vocabulary (llama.cpp "ignore_merges").
-_IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
