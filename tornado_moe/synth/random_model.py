@@ -1,9 +1,10 @@
-"""Random-weight GGUF models with real MoE shapes: tiny ones for CI, full Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B
-for benchmarks.
+"""Random-weight GGUF models with real MoE shapes: tiny ones for CI, full Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B and
+OLMoE-1B-7B for benchmarks.
 
 No real MoE weights can be downloaded where tornado-moe is developed, yet kernels must be checked and timed on
-real shapes. These files follow llama.cpp's ``qwen2moe`` and ``qwen3moe`` layouts exactly (key names, tensor
-names, shapes, types), so every loader and kernel path runs on them; only the numbers are random.
+real shapes. These files follow llama.cpp's ``qwen2moe``, ``qwen3moe`` and ``olmoe`` layouts exactly (key
+names, tensor names, shapes, types), so every loader and kernel path runs on them; only the numbers are
+random.
 
 Speed matters (the full model is ~15 GB and must be written in about a minute), so block-quantized weights are
 never produced by quantizing floats. Random bits are drawn straight into the block layout and two cheap bit
@@ -126,7 +127,7 @@ _CHUNK_BYTES = 16 << 20  # fixed: part of what makes the output independent of t
 
 @dataclass(frozen=True, kw_only=True)
 class SynthSpec:
-    """Hyper-parameters of a random ``qwen2moe`` model (names follow :class:`~tornado_moe.model.ModelConfig`).
+    """Hyper-parameters of a random ``arch`` model (names as in :class:`~tornado_moe.model.ModelConfig`).
 
     ``qtype`` is the type of every weight matrix (embeddings and output included; a K type's fallback,
     :data:`K_FALLBACK`, for matrices whose rows are not whole super-blocks); norms, biases and router weights
