@@ -299,6 +299,21 @@ def test_wrong_key_type_and_inconsistent_vocab(tmp_path: Path) -> None:
     _assert_names(e, str(p), "llama.vocab_size", "token_embd.weight")
 
 
+def test_experts_stored_one_tensor_each_are_named(tmp_path: Path) -> None:
+    """Mixtral GGUFs written before April 2024 keep a tensor per expert (blk.N.ffn_gate.E.weight): the error
+    says so and what to do, instead of naming a missing tensor."""
+    keys, tensors = llama_spec(n_exp=4, top_k=2)
+    for i in range(2):
+        for kind in ("gate", "up", "down"):
+            stacked = tensors.pop(f"blk.{i}.ffn_{kind}_exps.weight")
+            for e in range(stacked.shape[0]):
+                tensors[f"blk.{i}.ffn_{kind}.{e}.weight"] = stacked[e]
+    p = _write(tmp_path, "old.gguf", "llama", keys, tensors)
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(p)
+    _assert_names(e, str(p), "blk.0.ffn_gate.0.weight", "current llama.cpp")
+
+
 def test_clamped_qkv_is_refused(tmp_path: Path) -> None:
     """OLMo-style q/k/v clamping (a key llama.cpp reads for olmo) is not silently ignored."""
     keys, tensors = qwen2moe_spec()

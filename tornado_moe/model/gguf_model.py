@@ -430,6 +430,12 @@ def _build(path: Path, metadata: dict[str, Any], tensors: dict[str, QTensor], un
         return t.shape[axis]
 
     expert_ffn = shared_ffn = dense_ffn = 0
+    if n_exp and not v.present("blk.0.ffn_gate_exps.weight") and v.present("blk.0.ffn_gate.0.weight"):
+        raise UnsupportedModelError(
+            f"{path}: the experts are stored one tensor each ('blk.0.ffn_gate.0.weight', llama.cpp's layout "
+            "before April 2024); tornado-moe reads them stacked ('ffn_gate_exps' and its kind): convert the "
+            "model again with a current llama.cpp"
+        )
     if n_exp:
         expert_ffn = ffn_size("{arch}.expert_feed_forward_length", "blk.0.ffn_gate_exps.weight", -2)
         if arch == "qwen2moe":
