@@ -205,6 +205,28 @@ def test_sentencepiece_vocabulary_prompts_in_text(spm_vocab: tuple[dict, object]
     assert out == Tokenizer.from_metadata(metadata).decode(expected, skip_special=True) + "\n"
 
 
+def test_chat_template_by_name_or_file(spm_vocab: tuple[dict, object], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat-template replaces the file's template (here the file has none) by a built-in name or a Jinja
+    file, and implies --instruct; the template's <s> is the BOS, not a second one."""
+    metadata, sp = spm_vocab
+    keys, tensors = qwen2moe_spec(vocab=len(metadata["tokenizer.ggml.tokens"]), seed=3)
+    keys.update(metadata)
+    path = write_gguf_file(tmp_path / "spm.gguf", "qwen2moe", keys, tensors)
+    base = ["generate", "--model", str(path), "--device", "cpu", "--prompt", "hi", "-n", "2", "--no-stream"]
+    rc, out, err = run_cli(capsys, *base, "--chat-template", "mistral", "--echo")
+    assert rc == 0, err
+    assert out.startswith("<s> [INST] hi [/INST]")  # echo decodes the ids: the space the prefix gave
+    assert summary(err)[0] == 1 + len(sp.encode("[INST] hi [/INST]"))
+    (tmp_path / "t.jinja").write_text("{{ bos_token }}Q: {{ messages[-1]['content'] }} A:")
+    rc, out, err = run_cli(capsys, *base, "--chat-template", str(tmp_path / "t.jinja"), "--echo")
+    assert rc == 0, err
+    assert out.startswith("<s> Q: hi A:")
+    rc, _, err = run_cli(capsys, *base, "--chat-template", "vicuna")
+    assert rc == 2
+    assert_one_error_line(err, "generate", "--chat-template vicuna", "chatml, llama2, mistral")
+
+
 def test_interactive_chat_reuses_the_cache_and_answers_like_a_fresh_engine(
         text_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("the cat\n\nhello there\n/exit\nnever read\n"))

@@ -287,6 +287,22 @@ def test_pre_tokenizer_names_share_llama_cpps_patterns() -> None:
     assert Tokenizer(tokens=["a", "b", "ab"], merges=[], pre="llama-v3").encode("ab") == [2]  # ... llama3 not
 
 
+def test_builtin_chat_templates_render_their_formats() -> None:
+    """The named templates of generate --chat-template, rendered for a system message and two turns."""
+    from tornado_moe.model.tokenizer import CHAT_TEMPLATES
+
+    tok = Tokenizer(tokens=["<s>", "</s>", "a"], token_types=[3, 3, 1], merges=[], bos_id=0, eos_id=1)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    tok.chat_template = CHAT_TEMPLATES["mistral"]
+    assert tok.apply_chat_template(msgs) == "<s>[INST] Be brief.\n\nHi [/INST]Hello.</s>[INST] Bye [/INST]"
+    tok.chat_template = CHAT_TEMPLATES["llama2"]
+    assert tok.apply_chat_template(msgs) == (
+        "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. </s><s>[INST] Bye [/INST]")
+    tok.chat_template = CHAT_TEMPLATES["chatml"]
+    assert tok.apply_chat_template(msgs[1:2]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_chatml_fallback_and_template_errors() -> None:
     md, _ = _tiny_byte_level("qwen2")
     tok = Tokenizer.from_metadata(md)

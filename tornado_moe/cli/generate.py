@@ -24,6 +24,7 @@ from tornado_moe.cli.common import (
     positive_int,
 )
 from tornado_moe.errors import InputError, UnsupportedModelError
+from tornado_moe.model.tokenizer import CHAT_TEMPLATES
 
 if TYPE_CHECKING:
     from tornado_moe.engine import Engine, GenerationStats
@@ -69,6 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="chat loop: read user messages from stdin, one per line, answer each with the "
                         "model's chat template, keeping the conversation (and its KV cache); quit on /exit "
                         "or EOF")
+    m.add_argument("--chat-template", metavar="NAME|FILE",
+                   help="the chat template to use instead of the file's (implies --instruct unless -i): a "
+                        f"name ({', '.join(sorted(CHAT_TEMPLATES))}) or a file holding a Jinja template "
+                        "(default: the GGUF's tokenizer.chat_template, else chatml)")
 
     s = p.add_argument_group("sampling")
     s.add_argument("-n", "--max-tokens", type=positive_int, default=64, metavar="N",
@@ -137,7 +142,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InputError(f"give one of --prompt, --file and --prompt-ids, not {' and '.join(given)}")
     if args.prompt_ids is not None:
         for flag, on in (("--interactive", args.interactive), ("--instruct", args.instruct),
-                         ("--system-prompt", args.system_prompt is not None)):
+                         ("--system-prompt", args.system_prompt is not None),
+                         ("--chat-template", args.chat_template is not None)):
             if on:
                 raise InputError(f"{flag} needs text (a chat template) and cannot be used with --prompt-ids")
     if args.interactive and args.echo:
@@ -145,6 +151,20 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.cuda_graphs and args.device == "cpu":
         raise InputError("--cuda-graphs needs a CUDA device: use --device cuda (or auto on a GPU machine), "
                          "not --device cpu")
+
+
+def _chat_template(name: str) -> str:
+    """--chat-template: a built-in template by name, else the Jinja text of a file."""
+    if name in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[name]
+    path = Path(name).expanduser()
+    if not path.is_file():
+        names = ", ".join(sorted(CHAT_TEMPLATES))
+        raise InputError(f"--chat-template {name}: neither a template name ({names}) nor a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--chat-template {name}: cannot read the template: {e}") from None
 
 
 def _read_prompt_file(name: str) -> str:
@@ -182,7 +202,10 @@ def run(args: argparse.Namespace) -> int:
         reason = str(e).removesuffix(f"; {IDS_INSTEAD}")
         print(f"{path}: {reason}: the answer is printed as token ids", file=log)
         tok = Tokenizer.from_metadata(model.metadata, text=False)
-    chat = args.interactive or args.instruct or args.system_prompt is not None
+    if args.chat_template is not None:
+        tok.chat_template = _chat_template(args.chat_template)
+    chat = (args.interactive or args.instruct or args.system_prompt is not None
+            or args.chat_template is not None)
 
     prompt_ids: list[int] | None = None
     if args.prompt_ids is not None:
@@ -191,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             need_text(tok, path, "--prompt TEXT")
         elif chat:
-            need_text(tok, path, "-i/--instruct/--system-prompt")
+            need_text(tok, path, "-i/--instruct/--system-prompt/--chat-template")
         elif not tok.has_text:
             raise InputError(f"{path}: this model has no tokenizer (token ids only): give the prompt with "
                              "--prompt-ids")

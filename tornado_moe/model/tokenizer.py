@@ -27,7 +27,8 @@ from typing import Any
 from tornado_moe.errors import InputError, UnsupportedModelError
 from tornado_moe.model.spm import ESCAPED_SPACE, SpmEncoder
 
-__all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLATE", "IDS_INSTEAD"]
+__all__ = ["Tokenizer", "StreamDecoder", "PRE_TOKENIZER_REGEXES", "CHATML_TEMPLATE", "CHAT_TEMPLATES",
+           "IDS_INSTEAD"]
 
 # The advice that ends the errors of an unsupported tokenizer
 IDS_INSTEAD = "pass token ids (--prompt-ids) instead"
@@ -70,6 +71,33 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Mistral / Mixtral instruct: "<s>[INST] user [/INST]answer</s>[INST] ..."; a system message is put in front
+# of the first user message.
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% set sys = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set sys.text = message['content'] + '\n\n' %}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + sys.text + message['content'] + ' [/INST]' }}"
+    "{% set sys.text = '' %}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+# Llama 2 chat: "<s>[INST] <<SYS>>\nsystem\n<</SYS>>\n\nuser [/INST] answer </s><s>[INST] ..."
+_LLAMA2_TEMPLATE = (
+    "{% set sys = namespace(text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set sys.text = '<<SYS>>\n' + message['content'] + '\n<</SYS>>\n\n' %}"
+    "{% elif message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + sys.text + message['content'] + ' [/INST]' }}"
+    "{% set sys.text = '' %}"
+    "{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+#: chat templates by name, for files without one (``generate --chat-template NAME``)
+CHAT_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML_TEMPLATE, "mistral": _MISTRAL_TEMPLATE, "llama2": _LLAMA2_TEMPLATE
+}
 
 
 def _byte_to_unicode() -> dict[int, str]:
