@@ -296,7 +296,7 @@ def test_attention_of_one_block_is_the_merge_bitwise(device: str) -> None:
     assert ref.rel_err(got_short, want) < TOL_ATTENTION
     assert torch.equal(got_long, got_short)
     assert torch.equal(again, got_long)
-    assert not scratch[: n_heads].any(), "arrival counters left non-zero"
+    assert not arrival_counters(scratch, n_heads).any(), "arrival counters left non-zero"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,7 +318,38 @@ def test_attention_long_context_repeats_bitwise(device: str) -> None:
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert ref.rel_err(outs[0], ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < 1e-4
-    assert not scratch[: n_tokens * n_heads].any(), "arrival counters left non-zero"
+    assert not arrival_counters(scratch, n_tokens * n_heads).any(), "arrival counters left non-zero"
+
+
+def arrival_counters(scratch: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """The attention scratch's per-pair arrival counters (the first word of each pair's record)."""
+    return scratch.view(n_pairs, -1)[:, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_calls_of_any_token_count_share_one_scratch(device: str) -> None:
+    """A decode step's call (one token) and a prefill step's (several) share the engine's scratch: after
+    calls of one token at 300+ positions (merged through the scratch), a call of 9 tokens gives the bits of
+    the 9 one-token calls, and so on in turn; the counters are back at zero after each."""
+    n_tokens, n_heads, n_kv, head_dim, pos0 = 9, 4, 2, 64, 300
+    max_ctx = pos0 + n_tokens
+    rng = np.random.default_rng(31)
+    q = randn(rng, (n_tokens, n_heads, head_dim), device)
+    k_cache, v_cache = (randn(rng, (max_ctx, n_kv, head_dim), device) for _ in range(2))
+    scratch = attention_scratch(n_tokens, n_heads, head_dim, device)
+
+    def run(t0: int, count: int) -> torch.Tensor:
+        out = poisoned((count, n_heads, head_dim), device)
+        K.attention(q[t0:t0 + count].contiguous(), k_cache, v_cache, out, int32([pos0 + t0], device), count,
+                    n_heads, n_kv, head_dim, max_ctx, scratch)
+        assert not arrival_counters(scratch, n_tokens * n_heads).any(), "arrival counters left non-zero"
+        return out
+
+    for _ in range(2):
+        singles = torch.cat([run(t, 1) for t in range(n_tokens)])
+        batched = run(0, n_tokens)
+        assert torch.equal(batched, singles)
+    assert ref.rel_err(batched, ref.attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), pos0)) < 1e-4
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -81,6 +81,22 @@ def test_a_q4_k_m_style_mix_of_formats(tmp_path, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", device_params())
+def test_long_batched_prompts_twice_on_one_engine(tiny_model_path, device: str) -> None:
+    """A 300-token prompt in steps of 128 (attention past 128 positions merges through its scratch, which the
+    decode plan shares), then decode steps, twice on one engine: the token-by-token prompt's tokens both
+    times, with CUDA graphs where there is a GPU."""
+    model = load_model(tiny_model_path)
+    prompt = [(7 * i + 3) % 512 for i in range(300)]
+    graphs = device == "cuda"
+    by_token = Engine(model, EngineOptions(device=device, prefill_chunk=1, cuda_graphs=graphs))
+    want, _ = by_token.generate(prompt, 6)
+    eng = Engine(model, EngineOptions(device=device, prefill_chunk=128, cuda_graphs=graphs))
+    for _ in range(2):
+        eng.reset()
+        assert eng.generate(prompt, 6)[0] == want
+
+
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("preset,expect", [("tiny-qwen3moe", ("qwen3moe", 128, "head", True, 0)),
                                            ("tiny-olmoe", ("olmoe", 64, "full", False, 0))])
 def test_tiny_qk_norm_synth_models(tmp_path, device: str, preset: str, expect: tuple) -> None:

@@ -135,17 +135,25 @@ __device__ __forceinline__ float transpose_reduce32(float (&part)[32], int lane)
   return part[0];
 }
 
-// The scratch of tm_attention (tm_attention_scratch_words): per pair an arrival counter (the first words, rounded
-// up to 32), then per pair kAttBlocks block partials of head_dim + 2 floats (m, l, acc). The partials are stored by
-// all of a block's threads before a __syncthreads and thread 0's fence and arrival (the fence is cumulative: it
-// orders the block's stores before the count the last block reads).
+// The scratch of tm_attention (tm_attention_scratch_words): a record per pair, at a place that depends on the pair
+// alone (a decode step's and a prefill step's calls share one scratch: were the counters' area sized by the call's
+// pairs, one call's partials would land on another's counters): an arrival counter (kAttRecordHead words), then
+// kAttBlocks block partials of head_dim + 2 floats (m, l, acc). The partials are stored by all of a block's threads
+// before a __syncthreads and thread 0's fence and arrival (the fence is cumulative: it orders the block's stores
+// before the count the last block reads).
 static_assert(kAttBlocks == 8, "tm_attention_scratch_words counts 8 partials a pair");
+constexpr int64_t kAttRecordHead = 4;  // the counter's words
 struct AttScratch {
-  uint32_t* arrivals;
-  float* partials;
+  int32_t* base;
+  int64_t part;  // floats of a block partial: head_dim + 2
+  __device__ int64_t record() const { return kAttRecordHead + kAttBlocks * part; }
+  __device__ uint32_t* arrival(int64_t pair) const { return reinterpret_cast<uint32_t*>(base + pair * record()); }
+  __device__ float* partial(int64_t pair, int block) const {
+    return reinterpret_cast<float*>(base + pair * record() + kAttRecordHead) + block * part;
+  }
 };
-__host__ __device__ inline AttScratch att_scratch(int32_t* scratch, int64_t n_pairs) {
-  return AttScratch{reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<float*>(scratch + (n_pairs + 31) / 32 * 32)};
+__host__ __device__ inline AttScratch att_scratch(int32_t* scratch, int64_t head_dim) {
+  return AttScratch{scratch, head_dim + 2};
 }
 
 template <int DPL, bool VEC>
@@ -340,22 +348,22 @@ __global__ void __launch_bounds__(kAttWarps * 32)
   if (busy <= 1) {
     part[0] = blk;
   } else {
-    float* mine = scratch.partials + (pair * kAttBlocks + rank) * (head_dim + 2);
+    float* mine = scratch.partial(pair, rank);
     for (int64_t i = threadIdx.x; i < head_dim + 2; i += blockDim.x) mine[i] = blk[i];
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();  // this block's partial before its arrival
-      const uint32_t before = atomicAdd(scratch.arrivals + pair, 1u);
+      const uint32_t before = atomicAdd(scratch.arrival(pair), 1u);
       s_last = before == static_cast<uint32_t>(busy - 1);
       if (s_last) {
-        scratch.arrivals[pair] = 0;  // for the next call (every busy block has arrived)
+        *scratch.arrival(pair) = 0;  // for the next call (every busy block has arrived)
         __threadfence();             // the other partials after their arrivals
       }
     }
     __syncthreads();
     if (!s_last) return;
 #pragma unroll
-    for (int c = 0; c < kAttBlocks; ++c) part[c] = scratch.partials + (pair * kAttBlocks + c) * (head_dim + 2);
+    for (int c = 0; c < kAttBlocks; ++c) part[c] = scratch.partial(pair, c);
   }
   // Block order; a block that is not busy would add +0 terms to sums that are never -0 (each starts at +0), so
   // stopping at `busy` leaves every bit as the merge of all kAttBlocks.
@@ -410,7 +418,7 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));  // as the CPU kernel
   const int64_t n_pairs = n_tokens * n_heads;
   const int64_t max_pairs = lim.max_grid_x / kAttBlocks;
-  const AttScratch sc = att_scratch(scratch, n_pairs);
+  const AttScratch sc = att_scratch(scratch, head_dim);
   for (int64_t p0 = 0; p0 < n_pairs; p0 += max_pairs) {
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
     TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL, VEC>, dim3(static_cast<unsigned>(np * kAttBlocks)),

@@ -184,19 +184,19 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
                        int neox, void* stream);
 
-/* int32 words of the scratch tm_attention needs: an arrival counter per (token, head) pair (rounded up to 32), then
- * 8 partial results of head_dim + 2 floats per pair. */
+/* int32 words of the scratch tm_attention needs: one record per (token, head) pair, an arrival counter (4 words)
+ * then 8 partial results of head_dim + 2 floats. Pair p's record is at the same place whatever n_tokens a call has,
+ * so calls of different token counts may share one scratch. */
 static inline int64_t tm_attention_scratch_words(int64_t n_tokens, int64_t n_heads, int64_t head_dim) {
-  const int64_t pairs = n_tokens * n_heads;
-  return (pairs + 31) / 32 * 32 + pairs * 8 * (head_dim + 2);
+  return n_tokens * n_heads * (4 + 8 * (head_dim + 2));
 }
 
 /* Causal attention over the cache (grouped-query: head h reads kv head h / (n_heads / n_kv_heads)).
  * out[t, h, :] = sum_j softmax_j(q[t,h,:] . k_cache[j,kvh,:] / sqrt(head_dim)) v_cache[j, kvh, :],
  * j = 0 .. pos[0] + t. q, out [T, n_heads, head_dim]. scratch: int32 [tm_attention_scratch_words(n_tokens, n_heads,
  * head_dim)], all zero before the first call; CUDA merges a context of more than 128 positions through it (the
- * counters are back at zero after every call) and the CPU does not touch it. Calls sharing a scratch must not run at
- * the same time (one stream does that). */
+ * counters are back at zero after every call, and a call of any token count may follow one of another) and the CPU
+ * does not touch it. Calls sharing a scratch must not run at the same time (one stream does that). */
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
                         int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);
