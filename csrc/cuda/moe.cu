@@ -1008,8 +1008,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   if (xss != nullptr) {
     named_barrier<kSplitRows * 32>(1);
     if (warp == 0 && lane == 0)
-      xss[t * norm_groups(sh.hidden) + blockIdx.x] =
-          group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
+      xss[t * norm_groups(sh.hidden) + down_tile()] =
+          group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, down_tile(), sh.hidden);
   }
   stamp_end(kDownTimelineRow0);
 }
