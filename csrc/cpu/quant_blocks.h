@@ -176,13 +176,10 @@ inline void decode_q3_k_block(const uint8_t* blk, float* out) {
   }
 }
 
-// The IQ4 levels (tm_iq4_level's packed bytes) as floats, for a table lookup per value.
-inline constexpr std::array<float, 16> kIq4Levels = [] {
+// The IQ4 levels (tm_iq4_level) as floats, for a table lookup per value.
+inline const std::array<float, 16> kIq4Levels = [] {
   std::array<float, 16> t{};
-  for (int q = 0; q < 16; ++q) {
-    const unsigned long long w = q < 8 ? TM_IQ4_LEVELS_LO : TM_IQ4_LEVELS_HI;
-    t[q] = static_cast<float>(static_cast<int>((w >> (8 * (q & 7))) & 0xFFu) - 128);
-  }
+  for (int q = 0; q < 16; ++q) t[q] = static_cast<float>(tm_iq4_level(q));
   return t;
 }();
 

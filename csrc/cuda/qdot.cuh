@@ -952,31 +952,26 @@ using FmtTag = std::integral_constant<Fmt, F>;
 // are only instantiated with V = false.
 template <class Fn>
 inline int dispatch_fmt(Fmt f, bool v, Fn&& fn) {
+  // a layout with vector loads or without them, as v says
+  auto either = [&](auto tag) { return v ? fn(tag, std::true_type{}) : fn(tag, std::false_type{}); };
   switch (f) {
-    case Fmt::Q8_0: return v ? fn(FmtTag<Fmt::Q8_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0>{}, std::false_type{});
-    case Fmt::Q8_0T:
-      return v ? fn(FmtTag<Fmt::Q8_0T>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T>{}, std::false_type{});
-    case Fmt::Q8_0T16:
-      return v ? fn(FmtTag<Fmt::Q8_0T16>{}, std::true_type{}) : fn(FmtTag<Fmt::Q8_0T16>{}, std::false_type{});
-    case Fmt::Q4_0: return v ? fn(FmtTag<Fmt::Q4_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_0>{}, std::false_type{});
-    case Fmt::Q4_1: return v ? fn(FmtTag<Fmt::Q4_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_1>{}, std::false_type{});
-    case Fmt::Q5_0: return v ? fn(FmtTag<Fmt::Q5_0>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_0>{}, std::false_type{});
-    case Fmt::Q5_1: return v ? fn(FmtTag<Fmt::Q5_1>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_1>{}, std::false_type{});
-    case Fmt::Q4_K: return v ? fn(FmtTag<Fmt::Q4_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q4_K>{}, std::false_type{});
-    case Fmt::Q5_K: return v ? fn(FmtTag<Fmt::Q5_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q5_K>{}, std::false_type{});
-    case Fmt::Q6_K: return v ? fn(FmtTag<Fmt::Q6_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q6_K>{}, std::false_type{});
-    case Fmt::Q2_K: return v ? fn(FmtTag<Fmt::Q2_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q2_K>{}, std::false_type{});
-    case Fmt::Q3_K: return v ? fn(FmtTag<Fmt::Q3_K>{}, std::true_type{}) : fn(FmtTag<Fmt::Q3_K>{}, std::false_type{});
-    case Fmt::IQ4_NL:
-      return v ? fn(FmtTag<Fmt::IQ4_NL>{}, std::true_type{}) : fn(FmtTag<Fmt::IQ4_NL>{}, std::false_type{});
-    case Fmt::IQ4_XS:
-      return v ? fn(FmtTag<Fmt::IQ4_XS>{}, std::true_type{}) : fn(FmtTag<Fmt::IQ4_XS>{}, std::false_type{});
-    case Fmt::F16X4:
-      return v ? fn(FmtTag<Fmt::F16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F16X4>{}, std::false_type{});
-    case Fmt::BF16X4:
-      return v ? fn(FmtTag<Fmt::BF16X4>{}, std::true_type{}) : fn(FmtTag<Fmt::BF16X4>{}, std::false_type{});
-    case Fmt::F32X4:
-      return v ? fn(FmtTag<Fmt::F32X4>{}, std::true_type{}) : fn(FmtTag<Fmt::F32X4>{}, std::false_type{});
+    case Fmt::Q8_0: return either(FmtTag<Fmt::Q8_0>{});
+    case Fmt::Q8_0T: return either(FmtTag<Fmt::Q8_0T>{});
+    case Fmt::Q8_0T16: return either(FmtTag<Fmt::Q8_0T16>{});
+    case Fmt::Q4_0: return either(FmtTag<Fmt::Q4_0>{});
+    case Fmt::Q4_1: return either(FmtTag<Fmt::Q4_1>{});
+    case Fmt::Q5_0: return either(FmtTag<Fmt::Q5_0>{});
+    case Fmt::Q5_1: return either(FmtTag<Fmt::Q5_1>{});
+    case Fmt::Q4_K: return either(FmtTag<Fmt::Q4_K>{});
+    case Fmt::Q5_K: return either(FmtTag<Fmt::Q5_K>{});
+    case Fmt::Q6_K: return either(FmtTag<Fmt::Q6_K>{});
+    case Fmt::Q2_K: return either(FmtTag<Fmt::Q2_K>{});
+    case Fmt::Q3_K: return either(FmtTag<Fmt::Q3_K>{});
+    case Fmt::IQ4_NL: return either(FmtTag<Fmt::IQ4_NL>{});
+    case Fmt::IQ4_XS: return either(FmtTag<Fmt::IQ4_XS>{});
+    case Fmt::F16X4: return either(FmtTag<Fmt::F16X4>{});
+    case Fmt::BF16X4: return either(FmtTag<Fmt::BF16X4>{});
+    case Fmt::F32X4: return either(FmtTag<Fmt::F32X4>{});
     case Fmt::F16: return fn(FmtTag<Fmt::F16>{}, std::false_type{});
     case Fmt::BF16: return fn(FmtTag<Fmt::BF16>{}, std::false_type{});
     default: return fn(FmtTag<Fmt::F32>{}, std::false_type{});

@@ -150,11 +150,11 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
                    rows, H, False, act.norm_inv)
-        if cfg.qk_norm:  # q and k normalised in place: each head's row (rows of head_dim), or each token's
-            for name, out, n in (("q", act.q, cfg.n_heads), ("k", act.k, cfg.n_kv_heads)):
-                rows, dim = (T * n, hd) if cfg.qk_norm == "head" else (T, n * hd)
-                g.task(f"attn_{name}_norm", "rmsnorm", out, _f32(L, f"attn_{name}_norm"), out, rows, dim,
-                       cfg.rms_eps)
+        if cfg.qk_norm:  # q and k normalised in place, as rows of the norm's width (a head, or a token's all)
+            for name, out, n, width in zip(("q", "k"), (act.q, act.k), (cfg.n_heads, cfg.n_kv_heads),
+                                           cfg.qk_norm_widths, strict=True):
+                g.task(f"attn_{name}_norm", "rmsnorm", out, _f32(L, f"attn_{name}_norm"), out,
+                       T * n * hd // width, width, cfg.rms_eps)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,

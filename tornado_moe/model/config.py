@@ -98,6 +98,13 @@ class ModelConfig:
         """Rows of attn_k / attn_v: n_kv_heads * head_dim."""
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """Values one RMSNorm of q and one of k cover (their weights' lengths): a head's (``"head"``), all of
+        q's and all of k's (``"full"``); (0, 0) without q/k norms."""
+        widths = {"": (0, 0), "head": (self.head_dim, self.head_dim), "full": (self.q_dim, self.kv_dim)}
+        return widths[self.qk_norm]
+
     def describe(self) -> str:
         """One-line human summary, e.g. for logs and the CLI banner."""
         attn = f"{self.n_heads}h/{self.n_kv_heads}kv x {self.head_dim}"

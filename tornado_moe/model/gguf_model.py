@@ -491,10 +491,9 @@ def _validate_layer(v: _Validator, c: ModelConfig, i: int) -> dict[str, QTensor 
     }
     if c.qkv_bias:
         expect.update({"attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (kv,)})
-    if c.qk_norm == "head":
-        expect.update({"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)})
-    elif c.qk_norm == "full":
-        expect.update({"attn_q_norm": (q,), "attn_k_norm": (kv,)})
+    if c.qk_norm:
+        wq, wk = c.qk_norm_widths
+        expect.update({"attn_q_norm": (wq,), "attn_k_norm": (wk,)})
     if c.is_moe:
         expect.update(
             {

@@ -122,13 +122,13 @@ class ReferenceModel:
         q, k, v = xn @ L["attn_q"].T, xn @ L["attn_k"].T, xn @ L["attn_v"].T
         if c.qkv_bias:
             q, k, v = q + L["attn_q_bias"], k + L["attn_k_bias"], v + L["attn_v_bias"]
-        if c.qk_norm == "full":  # an RMSNorm over all of q, one over all of k
-            q, k = rmsnorm(q, L["attn_q_norm"], c.rms_eps), rmsnorm(k, L["attn_k_norm"], c.rms_eps)
+        if c.qk_norm:  # an RMSNorm over each stretch of the norm's width: a head, or all of q / all of k
+            wq, wk = c.qk_norm_widths
+            q = rmsnorm(q.reshape(T, -1, wq), L["attn_q_norm"], c.rms_eps).reshape(T, -1)
+            k = rmsnorm(k.reshape(T, -1, wk), L["attn_k_norm"], c.rms_eps).reshape(T, -1)
         q = q.view(T, c.n_heads, c.head_dim)
         k = k.view(T, c.n_kv_heads, c.head_dim)
         v = v.view(T, c.n_kv_heads, c.head_dim)
-        if c.qk_norm == "head":  # an RMSNorm over each head's head_dim values
-            q, k = rmsnorm(q, L["attn_q_norm"], c.rms_eps), rmsnorm(k, L["attn_k_norm"], c.rms_eps)
         pos = torch.arange(pos0, pos0 + T)
         q = rope(q, pos, c.rope_theta, c.neox_rope)
         k = rope(k, pos, c.rope_theta, c.neox_rope)
