@@ -13,8 +13,10 @@
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
 # (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
-# those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_TESTS=1 (also run each
-# build's GPU tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-k attention`, narrows them), TUNING_BENCH=1 (and bench each; or a comma list of names: those only), TUNING_PROFILE=1 (and
+# those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_KB=name,... (only those
+# builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU tests; or a comma list of names:
+# those only; TUNING_PYTEST_ARGS, e.g. `-k attention`, narrows them), TUNING_BENCH=1 (and bench each; or a comma
+# list of names: those only), TUNING_PROFILE=1 (and
 # profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill
 # stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
@@ -135,6 +137,7 @@ if want tuning; then  # the tuning builds' tiled kernels timed
   for p in "${TUNE_PIDS[@]}"; do wait "$p"; done
   for t in "${TUNES[@]}"; do
     name=${t%%:*}
+    [ -z "${TUNING_KB:-}" ] || [[ ",$TUNING_KB," == *",$name,"* ]] || continue
     PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
       --layout tiled ${TUNING_KB_ARGS:-${KB_ARGS:-}} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
