@@ -104,7 +104,7 @@ constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
 // keep their bits (each dim's sum is the same wherever it lives); the scores' lane partials add other dims, so
 // the scores' bits differ from the scalar layout's (every route still runs this one kernel).
 #ifndef TM_ATT_VEC
-#define TM_ATT_VEC 0
+#define TM_ATT_VEC 1
 #endif
 
 // One halving exchange of transpose_reduce32: lanes with bit HALF set keep positions [HALF, 2*HALF) of the
