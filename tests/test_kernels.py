@@ -193,6 +193,7 @@ ATTN_SHAPES = [  # n_tokens, n_heads, n_kv_heads, head_dim, pos0
     (5, 8, 2, 32, 3),  # GQA, prefill at an offset
     (3, 6, 3, 64, 11),
     (1, 16, 4, 128, 17),  # decode at pos > 0
+    (2, 4, 2, 256, 130),  # the vector layout at 8 dims a lane, past one block's 128 positions
 ]
 
 

@@ -97,12 +97,13 @@ constexpr int kAttWorkers = kAttWarps * kAttBlocks;
 #define TM_ATT_V_PREFETCH_MIN kAttTile
 #endif
 constexpr int kAttVPrefetchMin = TM_ATT_V_PREFETCH_MIN;
-// A measurement knob (results/NOTES.md lesson 106; 0: off, the product's kernels): with TM_ATT_VEC=1 a head_dim of
-// exactly 32 * DPL (DPL a multiple of 4, e.g. 128) gives lane l the dims 128 c + 4 l + i (i < 4) instead of
-// l + 32 i, so that each key and value row is read with DPL / 4 float4 loads a lane instead of DPL scalar ones,
-// each with its own address: a quarter of a tile's load instructions on the one warp that walks it. The value sums
-// keep their bits (each dim's sum is the same wherever it lives); the scores' lane partials add other dims, so
-// the scores' bits differ from the scalar layout's (every route still runs this one kernel).
+// The vector layout (results/NOTES.md lesson 106; 0: the scalar layout everywhere): a head_dim of exactly 32 * DPL
+// (DPL a multiple of 4, e.g. 128) gives lane l the dims 128 c + 4 l + i (i < 4) instead of l + 32 i, so that each
+// key and value row is read with DPL / 4 float4 loads a lane instead of DPL scalar ones, each with its own address:
+// a quarter of a tile's load instructions on the one warp that walks it (H100: 752.4 against 742.4 tok/s for the
+// scalar layout in one call, lesson 121). The value sums keep their bits (each dim's sum is the same wherever it
+// lives); the scores' lane partials add other dims, so the scores' bits are the layout's own: every route runs
+// this one kernel, and other head sizes keep the scalar layout.
 #ifndef TM_ATT_VEC
 #define TM_ATT_VEC 1
 #endif

@@ -134,29 +134,8 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
-// A measurement knob (results/NOTES.md lesson 105; 0: off, the product's code): the routed blocks holding the last
-// TM_RGU_TAIL_BLOCKS tickets, which stream in the launch's partial last wave while a third of the slots idle (lesson
-// 96), ask for their warps' whole gate and up rows at once once the ids are in: TM_RGU_TAIL_MODE 1 into L1 (one
-// prefetch a lane and line), 2 into L2 (one bulk prefetch a row by lane 0). Whether a tail block's ~4.6 us is its
-// warps' dependent round trips (the rows then arrive in one) or the memory system's (no change, or slower).
-#ifndef TM_RGU_TAIL_BLOCKS
-#define TM_RGU_TAIL_BLOCKS 0
-#endif
-#ifndef TM_RGU_TAIL_MODE
-#define TM_RGU_TAIL_MODE 1
-#endif
-// A measurement knob (results/NOTES.md lesson 108; 0: off, the product's code): shared blocks from blockIdx
-// TM_RGU_LATE_SHARED_H on (on the H200's decode grid, 528: those that start as the first wave retires, ~9.5 us in,
-// when router block 0 released h ~5 us earlier) first peek their token's h_ready flag (the call's tag from the
-// ticket word's epoch; one round trip, no ticket, no wait) and, when h is out, stream on it from global memory as
-// the routed blocks do instead of normalising x themselves (lesson 96: their 2.0 us norm keeps 184 of the second
-// wave's slots from streaming). The same bits: h is block_rmsnorm's either way. A flag not yet out, or a tag the
-// peek cannot trust (the epoch already advanced), falls back to the block's own norm.
-#ifndef TM_RGU_LATE_SHARED_H
-#define TM_RGU_LATE_SHARED_H 0
-#endif
 // A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): a block that streams on the global
-// h (a routed block, or a late shared block above) first asks for h's lines in L1, one prefetch a thread: lesson 57
+// h (a routed block) first asks for h's lines in L1, one prefetch a thread: lesson 57
 // measured routed blocks streaming 4.32 us with h in shared memory against 4.79 through L1, but the copy's round
 // trip cost more than that; a prefetch holds no register and waits for nothing.
 #ifndef TM_RGU_H_L1
@@ -570,25 +549,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_LATE_SHARED_H > 0
-    if (blockIdx.x >= TM_RGU_LATE_SHARED_H) {
-      __shared__ int s_h_out;
-      if (threadIdx.x == 0) {
-        const RouterSync sy = router_sync(sync, n_tokens);
-        const unsigned long long epoch = ld_relaxed_u64(sy.ticket);  // both loads in flight at once
-        const unsigned long long f = ld_acquire_u64(sy.h_ready + p.pair);
-        s_h_out = tag_of(f) == static_cast<uint32_t>(epoch >> 32) + 1;
-      }
-      __syncthreads();
-      if (s_h_out) {
-        stamp(3);
-        h_into_l1(h + p.pair * hidden, hidden);
-        gate_up_block<F, V>(sh, h, hidden, nblocks, p.pair, p.tile);
-        stamp_end();
-        return;
-      }
-    }
-#endif
 #if TM_RGU_NORM_PROBE || TM_RGU_DEFERRED_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
@@ -629,21 +589,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
-#endif
-#if TM_RGU_TAIL_BLOCKS > 0
-  if (b + TM_RGU_TAIL_BLOCKS >= gridDim.x - sh_blocks && e >= 0 && e < rt.n_experts) {
-    const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
-    if (r < rt.ffn) {
-      const int64_t off = (e * rt.ffn + r) * rt.row_bytes;
-      if constexpr (TM_RGU_TAIL_MODE == 1) {
-        prefetch_row_l1(rt.w_gate + off, rt.row_bytes, ceil_div(rt.row_bytes, 128), lane);
-        prefetch_row_l1(rt.w_up + off, rt.row_bytes, ceil_div(rt.row_bytes, 128), lane);
-      } else {
-        prefetch_row_l2(rt.w_gate + off, rt.row_bytes, lane);
-        prefetch_row_l2(rt.w_up + off, rt.row_bytes, lane);
-      }
-    }
-  }
 #endif
   h_into_l1(h + static_cast<int64_t>(t) * hidden, hidden);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
@@ -741,35 +686,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
 // slot's factor w_eff (NaN for an expert id out of range), looked up as down_dots does (kept apart from it: this
 // code is what the H200 measured, and sharing a helper changes the compiler's register allocation). rb is ra + 1,
-// or ra itself at the last row of an odd hidden size (computed twice, stored once). id() and weight() give the
-// slot's expert id and routing weight where the dot needs them: read from a there (the overload below, the
-// product's: the id before the dot, the weight after it) or loaded earlier by the caller (TM_DOWN_SLOTS_AHEAD).
-template <Fmt F, bool V, class Id, class Weight>
-__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s, Id id,
-                                              Weight weight, float (&d)[2][1], float& w_eff) {
+// or ra itself at the last row of an odd hidden size (computed twice, stored once). The slot's id is read before
+// the dot and its weight after it (loading both ahead measured slower on the H100: results/NOTES.md lesson 121).
+template <Fmt F, bool V>
+__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
+                                              float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
-  int64_t e = id();
+  int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;  // no ids: expert 0
   const bool bad = e < 0 || e >= a.n_experts;
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
   const float* xs[1] = {a.act + slot * a.ffn};
   warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
-  w_eff = bad ? kNaN : weight();
-}
-// A slot's id and weight as the arguments hold them (no ids: expert 0; no weights: 1).
-__device__ __forceinline__ int64_t slot_id(const DownArgs& a, int64_t slot) {
-  return a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
-}
-__device__ __forceinline__ float slot_weight(const DownArgs& a, int64_t slot) {
-  return a.weights != nullptr ? a.weights[slot] : 1.0f;
-}
-template <Fmt F, bool V>
-__device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
-                                              float (&d)[2][1], float& w_eff) {
-  const int64_t slot = t * a.top_k + s;
-  down_row_pair<F, V>(a, t, ra, rb, s, [&] { return slot_id(a, slot); }, [&] { return slot_weight(a, slot); }, d,
-                      w_eff);
+  w_eff = bad ? kNaN : (a.weights != nullptr ? a.weights[slot] : 1.0f);  // no weights: 1
 }
 
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows = 4 output rows r0 .. r0 + 3 of one token.
@@ -803,13 +733,6 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 // that way end to end (745.3 against 771.7 tok/s for the down's copies alone; results/NOTES.md v4o, lesson 37).
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
-#endif
-// A measurement knob (results/NOTES.md lesson 109; 0: off, the product's code): with at most 4 slots a routed
-// warp of experts_down_kernel loads the ids and weights of both its slots before its first dot product. In the
-// product's SASS each slot's id is loaded when the loop reaches it and its weight after its dot: the second slot's
-// rows wait for two more L2 round trips on the warp's path. The same bits (the same dots and factors).
-#ifndef TM_DOWN_SLOTS_AHEAD
-#define TM_DOWN_SLOTS_AHEAD 0
 #endif
 // A measurement knob (results/NOTES.md lesson 110; 0: off, the product's code): right after pdl_wait the block's
 // threads ask for every line of the token's activations (the shared expert's act_sh and the slots' act, 45 KB at
@@ -954,29 +877,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   } else {
     const int j = warp - kSplitRows, pair = 2 * (j >> 1);  // the pair's first row, relative to r0
     const int64_t ra = r0 + pair, rb = ra + 1 < rt.hidden ? ra + 1 : ra;
-#if TM_DOWN_SLOTS_AHEAD
-    if (ra < rt.hidden && rt.top_k <= 4) {
-      int32_t e_in[2];  // the ids' own width: 64-bit copies cost the warp 12 more bytes of spills
-      float w_in[2];
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int64_t s = (j & 1) + 2 * k, slot = t * rt.top_k + s;
-        e_in[k] = s < rt.top_k ? static_cast<int32_t>(slot_id(rt, slot)) : 0;
-        w_in[k] = s < rt.top_k ? slot_weight(rt, slot) : 1.0f;
-      }
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int64_t s = (j & 1) + 2 * k;
-        if (s >= rt.top_k) break;
-        float d[2][1], w_eff;
-        down_row_pair<FR, VR>(rt, t, ra, rb, s, [&] { return e_in[k]; }, [&] { return w_in[k]; }, d, w_eff);
-        if (lane == 0) {
-          s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
-          if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
-        }
-      }
-    } else
-#endif
     if (ra < rt.hidden) {
       for (int64_t s = j & 1; s < rt.top_k; s += 2) {
         float d[2][1], w_eff;
