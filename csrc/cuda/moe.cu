@@ -134,10 +134,10 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
-// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): a block that streams on the global
-// h (a routed block) first asks for h's lines in L1, one prefetch a thread: lesson 57
-// measured routed blocks streaming 4.32 us with h in shared memory against 4.79 through L1, but the copy's round
-// trip cost more than that; a prefetch holds no register and waits for nothing.
+// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): a routed block first asks for h's
+// lines in L1, one prefetch a thread: lesson 57 measured routed blocks streaming 4.32 us with h in shared memory
+// against 4.79 through L1, but the copy's round trip cost more than that; a prefetch holds no register and waits
+// for nothing.
 #ifndef TM_RGU_H_L1
 #define TM_RGU_H_L1 0
 #endif
