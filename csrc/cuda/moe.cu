@@ -154,6 +154,15 @@ struct GateUpArgs {
   float* act;
   int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
 };
+// A slot's expert id (no ids: expert 0) and routing weight (no weights: 1), as a launch's arguments hold them.
+template <class Args>
+__device__ __forceinline__ int64_t slot_expert(const Args& a, int64_t slot) {
+  return a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+}
+template <class Args>
+__device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
+  return a.weights != nullptr ? a.weights[slot] : 1.0f;
+}
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
 // h[t] = h + t * h_stride (h_stride 0: the block's own token row, e.g. in shared memory). Called after pdl_begin.
@@ -172,7 +181,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   if (r >= a.ffn) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
-  const int64_t e = e_given >= 0 ? e_given : a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+  const int64_t e = e_given >= 0 ? e_given : slot_expert(a, slot);
   float* o = a.act + slot * a.ffn + r;
   if (e < 0 || e >= a.n_experts) {
     if (lane == 0) *o = kNaN;
@@ -297,7 +306,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
       const uint32_t p = p0 + lane;
       bool mine = false;
       if (p < n_pairs) {
-        const int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot_of(p)]) : 0;
+        const int64_t e = slot_expert(a, slot_of(p));
         const bool bad = e < 0 || e >= a.n_experts;
         mine = g < a.n_experts ? !bad && e == g : bad;
       }
@@ -617,12 +626,12 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     const int64_t slot = t * a.top_k + s + i;
-    int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;
+    int64_t e = slot_expert(a, slot);
     const bool bad = e < 0 || e >= a.n_experts;
     if (bad) e = 0;
     wr[i] = SM ? row_copy : a.w_down + (e * a.hidden + r) * a.row_bytes;
     xs[i] = a.act + slot * a.ffn;
-    float w = a.weights != nullptr ? a.weights[slot] : 1.0f;
+    float w = slot_weight(a, slot);
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
@@ -692,14 +701,14 @@ template <Fmt F, bool V>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
                                               float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
-  int64_t e = a.ids != nullptr ? static_cast<int64_t>(a.ids[slot]) : 0;  // no ids: expert 0
+  int64_t e = slot_expert(a, slot);
   const bool bad = e < 0 || e >= a.n_experts;
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
   const float* xs[1] = {a.act + slot * a.ffn};
   warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
-  w_eff = bad ? kNaN : (a.weights != nullptr ? a.weights[slot] : 1.0f);  // no weights: 1
+  w_eff = bad ? kNaN : slot_weight(a, slot);
 }
 
 // tm_experts_down_accumulate: blocks of 8 warps for kSplitRows = 4 output rows r0 .. r0 + 3 of one token.
