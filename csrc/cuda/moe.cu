@@ -121,12 +121,6 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
-// TM_RGU_DEFERRED_PROBE=1 (timing only): the shared blocks stream on x at once and scale the gate and up dots by
-// 1/rms(x) after them, each warp summing x's squares itself through L1: the price of the FFN side's deferred norm
-// (results/NOTES.md lesson 103) without the group sums its producer would write, beside TM_RGU_NORM_PROBE's bound.
-#ifndef TM_RGU_DEFERRED_PROBE
-#define TM_RGU_DEFERRED_PROBE 0
-#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -134,16 +128,6 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
-// A measurement knob (results/NOTES.md lesson 111; 0: off, the product's code): a routed block first asks for h's
-// lines in L1, one prefetch a thread: lesson 57 measured routed blocks streaming 4.32 us with h in shared memory
-// against 4.79 through L1, but the copy's round trip cost more than that; a prefetch holds no register and waits
-// for nothing.
-#ifndef TM_RGU_H_L1
-#define TM_RGU_H_L1 0
-#endif
-__device__ __forceinline__ void h_into_l1(const float* ht, int64_t hidden) {  // ht: the token's row of h
-  if (TM_RGU_H_L1 && threadIdx.x * 32 < hidden) prefetch_l1(ht + threadIdx.x * 32);
-}
 constexpr float kNaN = __builtin_nanf("");
 
 // One gate-up weight set of a launch: w_gate, w_up [n_experts, ffn, hidden]; act [T, top_k, ffn].
@@ -192,22 +176,6 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
-#if TM_RGU_DEFERRED_PROBE
-  if (a.ids == nullptr) {  // the shared expert: h is x here (the probe's caller), 32-value blocks (tiled Q8_0)
-    const float* x = xs[0];
-    float ss = 0.0f;
-    for (int64_t i = 4 * lane; i + 3 < nblocks * 32; i += 128) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(x + i));
-      ss = __fmaf_rn(v.x, v.x, ss);
-      ss = __fmaf_rn(v.y, v.y, ss);
-      ss = __fmaf_rn(v.z, v.z, ss);
-      ss = __fmaf_rn(v.w, v.w, ss);
-    }
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), static_cast<float>(nblocks * 32)), 1e-6f));
-    gu[0][0] = __fmul_rn(gu[0][0], inv);
-    gu[1][0] = __fmul_rn(gu[1][0], inv);
-  }
-#endif
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -558,7 +526,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_NORM_PROBE || TM_RGU_DEFERRED_PROBE  // timing only: x in place of h (wrong results)
+#if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
@@ -599,7 +567,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
-  h_into_l1(h + static_cast<int64_t>(t) * hidden, hidden);
   gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
@@ -743,22 +710,6 @@ constexpr int down_min_blocks(Fmt s, Fmt r) {
 #ifndef TM_DOWN_ROWS_IN_SMEM
 #define TM_DOWN_ROWS_IN_SMEM 1
 #endif
-// A measurement knob (results/NOTES.md lesson 110; 0: off, the product's code): right after pdl_wait the block's
-// threads ask for every line of the token's activations (the shared expert's act_sh and the slots' act, 45 KB at
-// the decode shape) in L1, so that the dots' batches find them there instead of each batch's activation loads
-// making their own L2 round trip: a shared warp walks 11 batches of its 5,632-value row, each waiting on act_sh
-// lines that the SM's other warps ask for at the same time.
-#ifndef TM_DOWN_ACT_L1
-#define TM_DOWN_ACT_L1 0
-#endif
-// A measurement knob (results/NOTES.md lesson 113; 0: off, the product's code): lesson 110's activations for the
-// shared warps in shared memory instead: right after pdl_wait each of the 4 shared warps has the copy engine bring a
-// quarter of act_sh behind the block's row copies (22.5 KB more a block, 187 KB an SM at the decode shape), and
-// their dots read both operands there. The same bits (the reader's arithmetic does not depend on where its inputs
-// live).
-#ifndef TM_DOWN_ACT_SMEM
-#define TM_DOWN_ACT_SMEM 0
-#endif
 // Bytes of experts_down_kernel's dynamic shared memory before the shared rows' copies (16-byte aligned).
 __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
   return ceil_div((kSplitRows * top_k + kSplitRows) * 4, 16) * 16;
@@ -835,32 +786,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   pdl_begin();
   stamp(1, kDownTimelineRow0);
   stamp_role(3, kDownTimelineRow0);
-#if TM_DOWN_ACT_L1
-  {
-    const char* a_sh = reinterpret_cast<const char*>(sh.act + t * sh.ffn);
-    const char* a_rt = reinterpret_cast<const char*>(rt.act + t * rt.top_k * rt.ffn);
-    const int64_t sh_bytes = sh.ffn * 4, rt_bytes = rt.top_k * rt.ffn * 4;
-    for (int64_t off = 128 * static_cast<int64_t>(threadIdx.x); off < sh_bytes + rt_bytes; off += 128 * blockDim.x)
-      prefetch_l1(off < sh_bytes ? a_sh + off : a_rt + (off - sh_bytes));
-  }
-#endif
   if (shared_warp) {
     const int64_t r = r0 + warp;
-#if TM_DOWN_ACT_SMEM
-    // act_sh's copy: each shared warp (all four, whatever their rows) brings a quarter; a named barrier then lets
-    // them wait for all four, no warp polling a barrier another has not initialised
-    __shared__ uint64_t act_landed[kSplitRows];
-    float* act_copy = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(down_smem) + down_rows_offset(rt.top_k) +
-                                               kSplitRows * sh.row_bytes);
-    if constexpr (SM) {
-      const int64_t quarter = sh.ffn / kSplitRows;
-      if (lane == 0)
-        bulk_row_to_smem(reinterpret_cast<uint8_t*>(act_copy + warp * quarter),
-                         reinterpret_cast<const uint8_t*>(sh.act + t * sh.ffn + warp * quarter),
-                         static_cast<uint32_t>(quarter * 4), &act_landed[warp]);
-      named_barrier<kSplitRows * 32>(2);
-    }
-#endif
     if (r < sh.hidden) {
       float gate = 1.0f;
       if (gate_mode != kGateNone) gate = shared_gate(gate_inp, h + t * sh.hidden, sh.hidden, gate_mode);
@@ -868,15 +795,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
-#if TM_DOWN_ACT_SMEM
-#pragma unroll
-        for (int q = 0; q < kSplitRows; ++q) bulk_wait(&act_landed[q]);
-        DownArgs sh_smem = sh;  // the reader takes act + slot * ffn, slot = t: act_copy
-        sh_smem.act = act_copy - t * sh.ffn;
-        down_dots<FS, 1, VS, true>(sh_smem, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
-#else
         down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
-#endif
       } else {
         down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       }
@@ -1142,8 +1061,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
           return TM_OK;
         };
         if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
-          const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes +
-                                    (TM_DOWN_ACT_SMEM ? ceil_div(ffn_sh * 4, 16) * 16 : 0);
+          const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
           if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
         }
         return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);

@@ -628,52 +628,12 @@ template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
 }
-// A measurement knob (0: __ldg, the product's code): cache hints on the tiled reader's whole-batch weight words,
-// which are read once a token, so that L1 keeps the activations every warp of an SM reads and L2 the rows a
-// successor prefetched before its pdl_wait. 1: codes not allocated in L1; 2: codes and scales L2::evict_first;
-// 3: codes both, scales L2::evict_first; 4: codes and scales as streaming loads (ld.global.cs). The same bits.
-#ifndef TM_W_LOAD_HINT
-#define TM_W_LOAD_HINT 0
-#endif
-// L2::evict_first for the 16- and 8-byte loads goes through a cache policy (the plain qualifier takes 32-byte
-// loads only); a pure asm, so the compiler can keep one policy register for the whole row.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-#define TM_HINTED_LD(name, ptx, pol4, pol2)                                                               \
-  template <class T>                                                                                      \
-  __device__ __forceinline__ T name(const uint8_t* p) {                                                   \
-    T v;                                                                                                  \
-    if constexpr (sizeof(T) == 16)                                                                        \
-      asm("ld.global" ptx ".v4.u32 {%0, %1, %2, %3}, [%4]" pol4 ";"                                       \
-          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(l2_evict_first_policy()));           \
-    else                                                                                                  \
-      asm("ld.global" ptx ".v2.u32 {%0, %1}, [%2]" pol2 ";" : "=r"(v.x), "=r"(v.y)                        \
-          : "l"(p), "l"(l2_evict_first_policy()));                                                        \
-    return v;                                                                                             \
-  }
-TM_HINTED_LD(ld_no_l1, ".nc.L1::no_allocate", "", "")
-TM_HINTED_LD(ld_l2_first, ".nc.L2::cache_hint", ", %5", ", %3")
-TM_HINTED_LD(ld_no_l1_l2_first, ".nc.L1::no_allocate.L2::cache_hint", ", %5", ", %3")
-TM_HINTED_LD(ld_streaming, ".cs.nc", "", "")
-#undef TM_HINTED_LD
 // A word of a tiled row: from global memory (read-only path), or with SM from the copy of the row the kernel put
 // in its shared memory (a plain load: the compiler sees the shared address space through the inlined pointer).
-// Hinted: a whole batch's code (kScale false) or scale word, TM_W_LOAD_HINT's loads.
-template <class T, bool SM, bool Hinted = false, bool kScale = false>
+template <class T, bool SM>
 __device__ __forceinline__ T ld_row(const uint8_t* p) {
   if constexpr (SM) {
     return *reinterpret_cast<const T*>(p);
-  } else if constexpr (Hinted && TM_W_LOAD_HINT == 1 && !kScale) {
-    return ld_no_l1<T>(p);
-  } else if constexpr (Hinted && (TM_W_LOAD_HINT == 2 || (TM_W_LOAD_HINT == 3 && kScale))) {
-    return ld_l2_first<T>(p);
-  } else if constexpr (Hinted && TM_W_LOAD_HINT == 3) {
-    return ld_no_l1_l2_first<T>(p);
-  } else if constexpr (Hinted && TM_W_LOAD_HINT == 4) {
-    return ld_streaming<T>(p);
   } else {
     return ldg_vec<T>(p);
   }
@@ -706,14 +666,14 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if constexpr (W16) {
-          const uint4 q = ld_row<uint4, SM, true>(code[r] + v * 512);
+          const uint4 q = ld_row<uint4, SM>(code[r] + v * 512);
           c[v][r][0] = make_uint2(q.x, q.y);
           c[v][r][1] = make_uint2(q.z, q.w);
         } else {
-          c[v][r][0] = ld_row<uint2, SM, true>(code[r] + v * 512);
-          c[v][r][1] = ld_row<uint2, SM, true>(code[r] + v * 512 + 8);
+          c[v][r][0] = ld_row<uint2, SM>(code[r] + v * 512);
+          c[v][r][1] = ld_row<uint2, SM>(code[r] + v * 512 + 8);
         }
-        sc[v][r] = ld_row<uint2, SM, true, true>(scale[r] + v * 32);
+        sc[v][r] = ld_row<uint2, SM>(scale[r] + v * 32);
       }
     } else if (g == ngroups && tail > 0) {
 #pragma unroll
