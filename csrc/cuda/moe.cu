@@ -121,6 +121,12 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
+// TM_RGU_GROUPED_PROBE=1 (timing only): TM_RGU_NORM_PROBE's shared blocks, each warp then scaling its gate and up
+// dots by an inv summed from 2 KB read through L1 after them (x's first values standing in for the group sums that
+// attn_output would write): the price of the FFN side's grouped deferred norm (results/NOTES.md lesson 123).
+#ifndef TM_RGU_GROUPED_PROBE
+#define TM_RGU_GROUPED_PROBE 0
+#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -176,6 +182,13 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+#if TM_RGU_GROUPED_PROBE
+  if (a.ids == nullptr) {
+    const float inv = warp_grouped_inv_ldg(xs[0], h_stride, 1e-6f);
+    gu[0][0] = __fmul_rn(gu[0][0], inv);
+    gu[1][0] = __fmul_rn(gu[1][0], inv);
+  }
+#endif
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -526,7 +539,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
+#if TM_RGU_NORM_PROBE || TM_RGU_GROUPED_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
