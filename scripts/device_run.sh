@@ -15,7 +15,8 @@
 # tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_KB=name,... (only those
 # builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU tests; or a comma list of names:
-# those only; TUNING_PYTEST_ARGS, e.g. `-k attention`, narrows them), TUNING_BENCH=1 (and bench each; or a comma
+# those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K, one pytest -k expression such as
+# `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma
 # list of names: those only), TUNING_PROFILE=1 (and
 # profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill
 # stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
@@ -148,6 +149,7 @@ if want tuning; then  # the tuning builds' tiled kernels timed
       cp .jni/tornado-moe.jar /tmp/tune-$name/tornado_moe/_native/
       (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name:/tmp/tune-$name/tests timeout -k 10 "$(left 90)" \
         $PY -m pytest -q -ra -p no:cacheprovider -m gpu --timeout 60 ${TUNING_PYTEST_ARGS:-} \
+        ${TUNING_PYTEST_K:+-k "$TUNING_PYTEST_K"} \
         > "$OUT/pytest_tune_$name.log" 2>&1)
       echo "$name tests: $(tail -1 "$OUT/pytest_tune_$name.log")"
     done
