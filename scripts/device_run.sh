@@ -16,10 +16,9 @@
 # those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it), TUNING_KB=name,... (only those
 # builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU tests; or a comma list of names:
 # those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K, one pytest -k expression such as
-# `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma
-# list of names: those only), TUNING_PROFILE=1 (and
-# profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill
-# stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
+# `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list of names: those only),
+# TUNING_PROFILE=1 (and profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt
+# processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
 # TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
 # -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain); FFN_TIMELINE=<name> (the
 # same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with -DTM_FFN_TIMELINE=1);

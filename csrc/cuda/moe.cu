@@ -673,9 +673,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 
 // The dot products dot(W_down[e][ra], act[t, s]) and dot(W_down[e][ra + 1], act[t, s]) of slot s (expert e):
 // two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
-// slot's factor w_eff (NaN for an expert id out of range), looked up as down_dots does (kept apart from it: this
-// code is what the H200 measured, and sharing a helper changes the compiler's register allocation). rb is ra + 1,
-// or ra itself at the last row of an odd hidden size (computed twice, stored once). The slot's id is read before
+// slot's factor w_eff (NaN for an expert id out of range), through down_dots' lookups (slot_expert, slot_weight);
+// not folded into down_dots itself: this code is what the H200 measured, and a shared body changes the compiler's
+// register allocation. rb is ra + 1, or ra itself at the last row of an odd hidden size (computed twice, stored
+// once). The slot's id is read before
 // the dot and its weight after it (loading both ahead measured slower on the H100: results/NOTES.md lesson 121).
 template <Fmt F, bool V>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
