@@ -241,6 +241,66 @@ def test_experts_gate_up_is_shared_then_routed_bitwise(
     assert torch.equal(sh, sh_ref) and torch.equal(act, act_ref)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality that also holds for NaN rows (torch.equal says NaN != NaN)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+GATE_UP_QTYPE_PARAMS = [*QTYPE_PARAMS, *(pytest.param(q, id=n) for n, q in ref.K_QTYPES.items()),
+                        pytest.param("tiled", id="Q8_0_tiled")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", GATE_UP_QTYPE_PARAMS)
+@pytest.mark.parametrize("n_tokens", [13, 1100], ids=["grouped", "beyond_the_pair_list"])
+def test_gate_up_of_several_tokens_is_token_by_token_bitwise(device: str, qtype: int | str,
+                                                            n_tokens: int) -> None:
+    """A step of several tokens gives every (t, s) the bits of that token alone, for tm_moe_gate_up fused and
+    per-slot and for tm_experts_gate_up. On CUDA 13 tokens take the grouped GEMMs (6 experts: groups of 4
+    tokens, the remainder one by one; ids out of range give NaN rows from the extra column) and 1,100 tokens
+    (4,400 pairs) the block per pair that one token takes."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    if n_tokens > 100 and qtype not in (8, "tiled"):
+        pytest.skip("the pair-list limit does not depend on the format")
+    top_k, n_experts, ffn_sh, ffn, hidden = 4, 6, 20, 12, 256
+    rng = np.random.default_rng(29)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        raw = ref.make_weights(rng, shape, 8 if qtype == "tiled" else qtype, 0.1)[0].to(device)
+        return tile_q8_0(raw, hidden) if qtype == "tiled" else raw
+
+    q = Q8_0_TILED if qtype == "tiled" else qtype
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    h = randn(rng, (n_tokens, hidden), device)
+    ids = torch.from_numpy(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tokens)])).to(
+        device=device, dtype=torch.int32)
+    if device == "cuda":  # the CPU refuses such ids; CUDA writes NaN rows
+        ids[2, 1], ids[5, 3] = -1, n_experts
+
+    def one_token_at_a_time() -> tuple[torch.Tensor, torch.Tensor]:
+        sh, act = poisoned((n_tokens, ffn_sh), device), poisoned((n_tokens, top_k, ffn), device)
+        for t in range(n_tokens):
+            K.moe_gate_up(q, gs, us, h[t:t + 1], None, sh[t:t + 1], 1, 1, 0, 1, 1, ffn_sh, hidden)
+            K.moe_gate_up(q, g, u, h[t:t + 1], ids[t:t + 1], act[t:t + 1], 1, top_k, 0, top_k, n_experts, ffn,
+                          hidden)
+        return sh, act
+
+    sh_want, act_want = one_token_at_a_time()
+    assert not torch.isnan(sh_want).any() and bool(torch.isnan(act_want).any()) == (device == "cuda")
+    act = poisoned((n_tokens, top_k, ffn), device)
+    K.moe_gate_up(q, g, u, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
+    assert same_bits(act, act_want)
+    per_slot = poisoned((n_tokens, top_k, ffn), device)
+    for s in range(top_k):
+        K.moe_gate_up(q, g, u, h, ids, per_slot, n_tokens, top_k, s, 1, n_experts, ffn, hidden)
+    assert same_bits(per_slot, act_want)
+    sh, act = poisoned((n_tokens, ffn_sh), device), poisoned((n_tokens, top_k, ffn), device)
+    K.experts_gate_up(q, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
+    assert same_bits(sh, sh_want) and same_bits(act, act_want)
+
+
 # ---- router + shared + routed gate-up in one launch ----------------------------------------------------
 
 ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
@@ -248,7 +308,15 @@ ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
     (3, 5, 2, 17, 9, 512),  # one router block per token; several tokens wait on their own flags
     (2, 64, 8, 16, 8, 384),  # 64 experts (both logits of every lane); tiled: the 8-byte code reader
     (1, 70, 4, 16, 8, 256),  # more experts than one warp ranks: the two-launch path
+    (1025, 5, 4, 17, 9, 256),  # more pairs than the grouped gate-up lists: several tokens in the fused launch
 ]
+GROUPED_MAX_PAIRS = 4096  # moe.cu's kGroupMaxPairs: (token, slot) pairs a grouped gate-up block lists
+
+
+def takes_fused_router_launch(device: str, n_tokens: int, n_experts: int, top_k: int) -> bool:
+    """Whether router_experts_gate_up runs as one launch (and moves its scratch's epoch): CUDA, at most 64
+    experts, and one token or more pairs than the grouped gate-up of a several-token step takes."""
+    return device == "cuda" and n_experts <= 64 and (n_tokens == 1 or n_tokens * top_k > GROUPED_MAX_PAIRS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -298,10 +366,12 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
 
     words = K.router_gate_up_scratch_words(n_tokens, n_experts)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
-    fused = device == "cuda" and n_experts <= 64  # else the two calls, which leave the scratch alone
     calls = [n_tokens, 1, n_tokens] if n_tokens > 1 else [1, 1, 1]
     gates = []
+    epoch = 0  # the fused launches so far (the two calls leave the scratch alone)
     for call, n in enumerate(calls):
+        fused = takes_fused_router_launch(device, n, n_experts, top_k)
+        epoch += fused
         h, ids, wt, sh, act = got = outputs()
         gate = poisoned((n_tokens,), device) if gate_inp is not None else None
         K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wt, qtype, gs, us, sh, ffn_sh, gate_inp,
@@ -312,10 +382,10 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
             torch.testing.assert_close(gate[:n].double().cpu(), torch.sigmoid(z), rtol=0, atol=1e-6)
             gates.append(gate[:n])
             assert torch.equal(gate[:n], gates[0][:n]), call
-        assert scratch[:2].tolist() == [0, call + 1 if fused else 0], call  # (ticket count, epoch)
+        assert scratch[:2].tolist() == [0, epoch], call  # (ticket count, epoch)
         if fused:  # each token's h_ready flag (64 bits after the ids_ready group) carries this call's tag
             group = -(-n // 32) * 32
-            assert (scratch[64 + 2 * group + 1:64 + 2 * group + 2 * n:2] == call + 1).all(), call
+            assert (scratch[64 + 2 * group + 1:64 + 2 * group + 2 * n:2] == epoch).all(), call
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,11 +8,13 @@
  *   the pairs of one row tile side by side in the schedule, so pairs routed to the same expert read its rows while
  *   they are in L2. Grids larger than the limits are split into several launches (pairs by max_grid_x, row tiles
  *   by max_grid_yz). The result of a (t, s, r) depends only on e, r and h[t]: fused (slot_count = top_k) and
- *   per-slot (slot_count = 1) launches agree bit for bit.
+ *   per-slot (slot_count = 1) launches agree bit for bit. A step of several tokens takes grouped_gate_up_kernel
+ *   instead where it fits (a block per expert and row tile, each row read once per 4 of its tokens): the same bits.
  * experts_gate_up: the blocks of a shared-expert gate_up grid and of a routed one (all slots) in one 1-D grid, each
  *   block doing exactly what it does in its own launch (the same function), so the results are those bits.
  * router_experts_gate_up: the router's blocks and experts_gate_up's in one grid, ordered by integer flags instead
- *   of a launch boundary (see the kernel).
+ *   of a launch boundary (see the kernel); a step whose gate-ups fit the grouped kernel takes the router's launch
+ *   and experts_gate_up's instead.
  * experts_down_accumulate: the shared expert's down and every slot's in one launch, bitwise the two launches
  *   (experts_down_kernel below); with next_norm_w it also writes xw = x * next_norm_w beside each x it stores (the
  *   next layer's norm factor, norm.cuh's deferred form).
@@ -121,12 +123,6 @@ constexpr int kRowsPerBlock = 8;
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
-// TM_RGU_GROUPED_PROBE=1 (timing only): TM_RGU_NORM_PROBE's shared blocks, each warp then scaling its gate and up
-// dots by an inv summed from 2 KB read through L1 after them (x's first values standing in for the group sums that
-// attn_output would write): the price of the FFN side's grouped deferred norm (results/NOTES.md lesson 123).
-#ifndef TM_RGU_GROUPED_PROBE
-#define TM_RGU_GROUPED_PROBE 0
-#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -182,13 +178,6 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   const float* xs[1] = {h + t * h_stride};
   float gu[2][1];
   warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
-#if TM_RGU_GROUPED_PROBE
-  if (a.ids == nullptr) {
-    const float inv = warp_grouped_inv_ldg(xs[0], h_stride, 1e-6f);
-    gu[0][0] = __fmul_rn(gu[0][0], inv);
-    gu[1][0] = __fmul_rn(gu[1][0], inv);
-  }
-#endif
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -245,19 +234,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
-// A measurement knob (results/NOTES.md lesson 117; 0: off, the product's code): a gate-up of several tokens (a
-// prefill step) as grouped GEMMs. Block (g, tile) of grouped_gate_up_kernel takes the pairs of the call routed to
-// expert g (warp 0 lists them in ascending pair order) and each warp multiplies its gate and up rows with kGroupTokens
-// of their tokens at once (warp_dot with NT tokens), so a row is read once per group of tokens instead of once per
-// pair, from L1 after the first. Column g = n_experts takes the pairs whose id is out of range (NaN rows, as
-// gate_up_block writes them). Each (t, s, r) is warp_dot's value for that row and h[t], whatever the number of
-// tokens the warp takes at once (qdot.cuh), then gate_up_block's silu(g) * u: the product's bits. Calls with more
-// pairs than a block lists, or more row tiles than the y limit, and decode steps keep the product's kernels; the
-// fused router + gate-up of a prefill step takes its separate launches (router, shared gate, then these).
-#ifndef TM_GROUPED_GATE_UP
-#define TM_GROUPED_GATE_UP 0
-#endif
-#if TM_GROUPED_GATE_UP
+// A gate-up of several tokens (a prefill step) as grouped GEMMs (results/NOTES.md lesson 117; H100, a 128-token
+// step: 1,753 against 1,497 prompt tok/s for a pair per block). Block (g, tile) of grouped_gate_up_kernel takes the
+// pairs of the call routed to expert g (warp 0 lists them in ascending pair order) and each warp multiplies its gate
+// and up rows with kGroupTokens of their tokens at once (warp_dot with NT tokens), so a row is read once per group
+// of tokens instead of once per pair, from L1 after the first. Column g = n_experts takes the pairs whose id is out
+// of range (NaN rows, as gate_up_block writes them). Each (t, s, r) is warp_dot's value for that row and h[t],
+// whatever the number of tokens the warp takes at once (qdot.cuh), then gate_up_block's silu(g) * u: the bits of
+// the pair-per-block kernels, which decode steps and calls beyond a block's pair list or the y limit keep.
 constexpr int kGroupTokens = 4;
 constexpr uint32_t kGroupMaxPairs = 4096;  // a block's pair list: 16 KB of shared memory
 
@@ -265,6 +249,12 @@ constexpr uint32_t kGroupMaxPairs = 4096;  // a block's pair list: 16 KB of shar
 inline bool grouped_gate_up_fits(const Limits& lim, int64_t n_tokens, int64_t n_pairs, int64_t n_tiles,
                                  int64_t n_experts) {
   return n_tokens > 1 && n_pairs <= kGroupMaxPairs && n_tiles <= lim.max_grid_yz && n_experts < lim.max_grid_x;
+}
+// The same for experts_gate_up's shared expert (one pair a token) and routed experts.
+inline bool grouped_experts_gate_up_fits(const Limits& lim, int64_t n_tokens, int64_t top_k, int64_t n_experts,
+                                         int64_t ffn_sh, int64_t ffn) {
+  return grouped_gate_up_fits(lim, n_tokens, n_tokens, ceil_div(ffn_sh, kRowsPerBlock), 1) &&
+         grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts);
 }
 
 template <Fmt F, bool V>
@@ -337,7 +327,6 @@ int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& 
   return launch(lim, fn, grouped_gate_up_kernel<F, V>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens, hidden,
                 nblocks);
 }
-#endif
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
 constexpr int kGateNone = -1;
@@ -539,7 +528,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_NORM_PROBE || TM_RGU_GROUPED_PROBE  // timing only: x in place of h (wrong results)
+#if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
@@ -745,28 +734,6 @@ __global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const 
   }
 }
 
-// A measurement knob (results/NOTES.md lesson 116; 0: off, the product's code): experts_down_kernel's grid puts
-// tokens in x and row tiles in y. With several tokens (a prefill step) the blocks that run together are then every
-// token's for a few row tiles, so the tokens routed to one expert read its rows while they are in L2, as the
-// gate-up's pair-fastest grid already has them do; with rows in x (the product) each token's experts are read
-// whole, token after token. Each block does the same work, so the bits are the same; a decode step (one token)
-// runs the same blocks in the same order. Row tiles beyond the y limit take the two launches (moe_down_kernel, in
-// the product's order). Not for the timeline build (its stamps key on blockIdx.y).
-#ifndef TM_DOWN_TOKENS_FASTEST
-#define TM_DOWN_TOKENS_FASTEST 0
-#endif
-// This block's row tile and token in a down grid; the grid of `tiles` row tiles by `tokens` tokens and its limits.
-__device__ __forceinline__ uint32_t down_tile() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.y : blockIdx.x; }
-__device__ __forceinline__ uint32_t down_token() { return TM_DOWN_TOKENS_FASTEST ? blockIdx.x : blockIdx.y; }
-inline dim3 down_grid(int64_t tiles, int64_t tokens) {
-  const unsigned x = static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tokens : tiles);
-  return dim3(x, static_cast<unsigned>(TM_DOWN_TOKENS_FASTEST ? tiles : tokens));
-}
-inline int64_t down_max_tiles(const Limits& lim) { return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_yz : lim.max_grid_x; }
-inline int64_t down_max_tokens(const Limits& lim) {
-  return TM_DOWN_TOKENS_FASTEST ? lim.max_grid_x : lim.max_grid_yz;
-}
-
 template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
@@ -779,8 +746,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   float* s_routed = down_smem;
   float* s_shared = down_smem + kSplitRows * rt.top_k;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = tok0 + down_token();
-  const int64_t r0 = static_cast<int64_t>(down_tile()) * kSplitRows;
+  const int64_t t = tok0 + blockIdx.y;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kSplitRows;
   const bool shared_warp = warp < kSplitRows;
   // (SM) this shared warp's row copy, formed at each use (the SASS the H200 measured)
   auto row_copy = [&]() {
@@ -850,8 +817,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   if (xss != nullptr) {
     named_barrier<kSplitRows * 32>(1);
     if (warp == 0 && lane == 0)
-      xss[t * norm_groups(sh.hidden) + down_tile()] =
-          group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, down_tile(), sh.hidden);
+      xss[t * norm_groups(sh.hidden) + blockIdx.x] =
+          group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
   }
   stamp_end(kDownTimelineRow0);
 }
@@ -953,10 +920,8 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-#if TM_GROUPED_GATE_UP
     if (grouped_gate_up_fits(lim, n_tokens, n_pairs, n_tiles, n_experts))
       return launch_grouped_gate_up<F, V>(lim, fn, a, h, n_tokens, hidden, nblocks, s);
-#endif
     for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
@@ -989,13 +954,10 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-#if TM_GROUPED_GATE_UP
-    if (grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts) &&
-        ceil_div(ffn_sh, kRowsPerBlock) <= lim.max_grid_yz) {
+    if (grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
       TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, n_tokens, hidden, nblocks, s)));
       return launch_grouped_gate_up<F, V>(lim, fn, rt, h, n_tokens, hidden, nblocks, s);
     }
-#endif
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
       TM_TRY(launch(lim, fn, experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(gx)), dim3(kRowsPerBlock * 32),
@@ -1058,7 +1020,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                   0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
-  if (smem > 48 * 1024 || smem > lim.smem_block || tiles > down_max_tiles(lim)) return two_launches();
+  if (smem > 48 * 1024 || smem > lim.smem_block || tiles > lim.max_grid_x) return two_launches();
   return dispatch_fmt(fmt_for(qtype, ffn_sh), vs, [&](auto fstag, auto vstag) -> int {
     return dispatch_fmt(fmt_for(qtype, ffn), vr, [&](auto frtag, auto vrtag) -> int {
       constexpr Fmt FS = decltype(fstag)::value, FR = decltype(frtag)::value;
@@ -1066,11 +1028,11 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
       if constexpr (down_pair_ok(FS, FR)) {
         auto run = [&](auto kernel, int64_t bytes) -> int {
           TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, fn));
-          const int64_t per_launch = down_max_tokens(lim);
-          for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
-            const int64_t nt = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
-            TM_TRY(launch(lim, fn, kernel, down_grid(tiles, nt), dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes),
-                          s, sh, rt, gate_inp_sh, h, x, next_norm_w, xw, xss, gate_mode, t0));
+          for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
+            const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
+            TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(gy)),
+                          dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
+                          next_norm_w, xw, xss, gate_mode, t0));
           }
           return TM_OK;
         };
@@ -1109,9 +1071,10 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
                                     ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
-  // More experts than one warp ranks, or a grid beyond the limits: the launches this one stands for.
-  // (TM_GROUPED_GATE_UP: a prefill step too, so that its gate-ups are grouped.)
-  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x || (TM_GROUPED_GATE_UP && n_tokens > 1)) {
+  // More experts than one warp ranks, a grid beyond the limits, or a step of several tokens whose gate-ups fit the
+  // grouped kernel (faster than the fused launch's pair per block): the launches this one stands for.
+  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x ||
+      grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
     if (gate_inp_sh != nullptr) {

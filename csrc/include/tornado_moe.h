@@ -220,7 +220,9 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
  * w_gate, w_up [n_experts, ffn, hidden] of qtype; h [T, hidden]; ids [T, top_k]; act [T, top_k, ffn].
  * The fused task calls it once with (0, top_k); the per-slot tasks once per slot with (s, 1): the result for a
  * given (t, s) is bitwise the same either way. ids == NULL means expert 0 for every slot (a dense FFN or a
- * shared expert is this function with n_experts = 1, top_k = 1). */
+ * shared expert is this function with n_experts = 1, top_k = 1). On CUDA a call of several tokens and at most
+ * 4,096 (token, slot) pairs runs as grouped GEMMs (a block per expert and row tile, each row read once per 4 of its
+ * tokens): the same bits as a block per pair, which one token and larger calls take. */
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
                           int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);
@@ -229,7 +231,8 @@ TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const
  *   tm_moe_gate_up(w_gate_sh, w_up_sh, h, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden) followed by
  *   tm_moe_gate_up(w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
  * (the two write different buffers and read only h and ids, so their order is free); one grid instead of two
- * saves a launch and a ramp-up and drain of the GPU per layer. w_gate_sh, w_up_sh [ffn_sh, hidden], act_sh
+ * saves a launch and a ramp-up and drain of the GPU per layer. Where tm_moe_gate_up's grouped GEMMs take both
+ * (several tokens), CUDA makes the two calls instead: reading each row once per 4 tokens saves more. w_gate_sh, w_up_sh [ffn_sh, hidden], act_sh
  * [T, ffn_sh]; the routed arguments as tm_moe_gate_up's; both weight sets of qtype. */
 TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
                               int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
@@ -252,9 +255,9 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], 8-byte aligned, all
  * zero before the first call; each call leaves the synchronisation words as the next one continues from them (an
  * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
- * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, or
- * where the grid would exceed the device's limits, CUDA makes the two calls above instead (the same bits; the
- * scratch is not touched). The CPU always does.
+ * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, where
+ * the grid would exceed the device's limits, or for a step of several tokens that tm_experts_gate_up runs as grouped
+ * GEMMs, CUDA makes the two calls above instead (the same bits; the scratch is not touched). The CPU always does.
  * gate_inp_sh (nullable, float32 [hidden]): the shared expert's gate row; then gate_sh (float32 [n_tokens]) gets
  * gate_sh[t] = sigmoid(dot(gate_inp_sh, h[t, :])), the factor tm_moe_down_accumulate would compute from
  * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every

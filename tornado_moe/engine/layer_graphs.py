@@ -15,9 +15,11 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   give bitwise identical hidden states:
   - fused (default): ``router_experts_gate_up`` (the router, the shared expert's gate-up and all slots' in one
     launch: the shared rows stream while the router runs) and ``experts_down_accumulate`` (the shared
-    expert's down, then the slots in order, in one launch): 5 launches per layer; a decode step (one token)
-    that the library runs as one call (``router_experts_ffn_launches``: the CPU, and tiled Q8_0 on an sm_90
-    GPU where the persistent launch is chosen, ``set_ffn_one_launch``) has ``router_experts_ffn`` instead: 4;
+    expert's down, then the slots in order, in one launch): 5 launches per layer (on a GPU a step of several
+    tokens runs the first as the router's launch, then grouped expert GEMMs: tornado_moe.h); a decode step
+    (one token) that the library runs as one call (``router_experts_ffn_launches``: the CPU, and tiled Q8_0
+    on an sm_90 GPU where the persistent launch is chosen, ``set_ffn_one_launch``) has
+    ``router_experts_ffn`` instead: 4;
     when the shared expert's formats differ from the routed ones', or there is none, ``router_topk``,
     ``shared_expert_gate_up``, ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and
     ``routed_experts_down_accumulate``;
