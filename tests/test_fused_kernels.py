@@ -6,6 +6,8 @@ the shapes the small kernel tests do not reach.
   it reads;
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
+- a gate-up of several tokens (CUDA: grouped GEMMs, a block per expert) == the same tokens one at a time, bit
+  for bit, in every format;
 - ``router_experts_gate_up`` == rmsnorm_router_topk then experts_gate_up, bit for bit, and leaves its scratch
   zero; the shared-expert gate it writes is the float64 sigmoid's, and the down that reads it gives the bits
   of the down that computes it;
@@ -246,13 +248,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-GATE_UP_QTYPE_PARAMS = [*QTYPE_PARAMS, *(pytest.param(q, id=n) for n, q in ref.K_QTYPES.items()),
-                        pytest.param("tiled", id="Q8_0_tiled")]
+# every format at 13 tokens (grouped on CUDA); the pair-list limit, which no format changes, at 1,100 tokens
+SEVERAL_TOKEN_GATE_UPS = [
+    *(pytest.param(q, 13, id=f"{name}-grouped")
+      for name, q in {**ref.QTYPES, **ref.K_QTYPES, "Q8_0_tiled": "tiled"}.items()),
+    pytest.param(8, 1100, id="Q8_0-beyond_the_pair_list"),
+    pytest.param("tiled", 1100, id="Q8_0_tiled-beyond_the_pair_list"),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", GATE_UP_QTYPE_PARAMS)
-@pytest.mark.parametrize("n_tokens", [13, 1100], ids=["grouped", "beyond_the_pair_list"])
+@pytest.mark.parametrize("qtype,n_tokens", SEVERAL_TOKEN_GATE_UPS)
 def test_gate_up_of_several_tokens_is_token_by_token_bitwise(device: str, qtype: int | str,
                                                             n_tokens: int) -> None:
     """A step of several tokens gives every (t, s) the bits of that token alone, for tm_moe_gate_up fused and
@@ -261,8 +267,6 @@ def test_gate_up_of_several_tokens_is_token_by_token_bitwise(device: str, qtype:
     (4,400 pairs) the block per pair that one token takes."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
-    if n_tokens > 100 and qtype not in (8, "tiled"):
-        pytest.skip("the pair-list limit does not depend on the format")
     top_k, n_experts, ffn_sh, ffn, hidden = 4, 6, 20, 12, 256
     rng = np.random.default_rng(29)
 
