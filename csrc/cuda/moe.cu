@@ -234,14 +234,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   experts_gate_up_block<F, V>(sh, rt, h, hidden, nblocks, p);
 }
 
-// A gate-up of several tokens (a prefill step) as grouped GEMMs (results/NOTES.md lesson 117; H100, a 128-token
-// step: 1,753 against 1,497 prompt tok/s for a pair per block). Block (g, tile) of grouped_gate_up_kernel takes the
-// pairs of the call routed to expert g (warp 0 lists them in ascending pair order) and each warp multiplies its gate
-// and up rows with kGroupTokens of their tokens at once (warp_dot with NT tokens), so a row is read once per group
-// of tokens instead of once per pair, from L1 after the first. Column g = n_experts takes the pairs whose id is out
-// of range (NaN rows, as gate_up_block writes them). Each (t, s, r) is warp_dot's value for that row and h[t],
-// whatever the number of tokens the warp takes at once (qdot.cuh), then gate_up_block's silu(g) * u: the bits of
-// the pair-per-block kernels, which decode steps and calls beyond a block's pair list or the y limit keep.
+// A gate-up of several tokens (a prefill step) as grouped GEMMs (results/NOTES.md lessons 117, 126-127; H200,
+// 128-token steps: 1,791 against 1,520 prompt tok/s for a pair per block). Block (g, tile) of grouped_gate_up_kernel
+// takes the pairs of the call routed to expert g (warp 0 lists them in ascending pair order) and each warp
+// multiplies its gate and up rows with kGroupTokens of their tokens at once (warp_dot with NT tokens), so a row is
+// read once per group of tokens instead of once per pair, from L1 after the first. Column g = n_experts takes the
+// pairs whose id is out of range (NaN rows, as gate_up_block writes them). Each (t, s, r) is warp_dot's value for
+// that row and h[t], whatever the number of tokens the warp takes at once (qdot.cuh), then gate_up_block's silu(g) *
+// u: the bits of the pair-per-block kernels, which decode steps and calls beyond a block's pair list or the y limit
+// keep.
 constexpr int kGroupTokens = 4;
 constexpr uint32_t kGroupMaxPairs = 4096;  // a block's pair list: 16 KB of shared memory
 

@@ -232,8 +232,9 @@ TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const
  *   tm_moe_gate_up(w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
  * (the two write different buffers and read only h and ids, so their order is free); one grid instead of two
  * saves a launch and a ramp-up and drain of the GPU per layer. Where tm_moe_gate_up's grouped GEMMs take both
- * (several tokens), CUDA makes the two calls instead: reading each row once per 4 tokens saves more. w_gate_sh, w_up_sh [ffn_sh, hidden], act_sh
- * [T, ffn_sh]; the routed arguments as tm_moe_gate_up's; both weight sets of qtype. */
+ * (several tokens), CUDA makes the two calls instead: reading each row once per 4 tokens saves more.
+ * w_gate_sh, w_up_sh [ffn_sh, hidden], act_sh [T, ffn_sh]; the routed arguments as tm_moe_gate_up's; both weight
+ * sets of qtype. */
 TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
                               int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
