@@ -314,7 +314,7 @@ ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
     (1, 70, 4, 16, 8, 256),  # more experts than one warp ranks: the two-launch path
     (1025, 5, 4, 17, 9, 256),  # more pairs than the grouped gate-up lists: several tokens in the fused launch
 ]
-GROUPED_MAX_PAIRS = 4096  # moe.cu's kGroupMaxPairs: (token, slot) pairs a grouped gate-up block lists
+GROUPED_MAX_PAIRS = 4096  # tornado_moe.h: a CUDA gate-up of more (token, slot) pairs takes a block per pair
 
 
 def takes_fused_router_launch(device: str, n_tokens: int, n_experts: int, top_k: int) -> bool:

@@ -251,10 +251,11 @@ inline bool grouped_gate_up_fits(const Limits& lim, int64_t n_tokens, int64_t n_
                                  int64_t n_experts) {
   return n_tokens > 1 && n_pairs <= kGroupMaxPairs && n_tiles <= lim.max_grid_yz && n_experts < lim.max_grid_x;
 }
-// The same for experts_gate_up's shared expert (one pair a token) and routed experts.
+// The same for experts_gate_up's two weight sets: the routed pairs' test covers the shared expert's (one pair a
+// token, one expert) but for its row tiles.
 inline bool grouped_experts_gate_up_fits(const Limits& lim, int64_t n_tokens, int64_t top_k, int64_t n_experts,
                                          int64_t ffn_sh, int64_t ffn) {
-  return grouped_gate_up_fits(lim, n_tokens, n_tokens, ceil_div(ffn_sh, kRowsPerBlock), 1) &&
+  return ceil_div(ffn_sh, kRowsPerBlock) <= lim.max_grid_yz &&
          grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts);
 }
 
@@ -666,8 +667,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // slot's factor w_eff (NaN for an expert id out of range), through down_dots' lookups (slot_expert, slot_weight);
 // not folded into down_dots itself: this code is what the H200 measured, and a shared body changes the compiler's
 // register allocation. rb is ra + 1, or ra itself at the last row of an odd hidden size (computed twice, stored
-// once). The slot's id is read before
-// the dot and its weight after it (loading both ahead measured slower on the H100: results/NOTES.md lesson 121).
+// once). The slot's id is read before the dot and its weight after it (loading both ahead measured slower on the
+// H100: results/NOTES.md lesson 121).
 template <Fmt F, bool V>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
                                               float (&d)[2][1], float& w_eff) {
