@@ -624,6 +624,39 @@ struct NoHook {
 #define TM_Q8T_LOAD_REGS 12
 #endif
 
+// How the tiled reader keeps the next batch of a row coming while it multiplies this one (measurement knobs,
+// results/NOTES.md lesson 129; the bits never depend on them): 0 it does not (the product); 1 every whole batch
+// asks for the next batch's lines in L1 (prefetch.global.L1, one lane per 128-byte line) right after issuing its
+// own loads; 2 whole batches of rows read from global memory (16-byte code words, at most two group-rows a batch)
+// are copied by each lane into its own slots of a two-stage ring in shared memory (cp.async, no register holds
+// bytes in flight, no barrier: a lane reads back only what it copied), the next batch's copies issued before this
+// batch is multiplied.
+#ifndef TM_Q8T_PIPE
+#define TM_Q8T_PIPE 0
+#endif
+// Timing-only bounds (wrong results): 1 keeps the reader's weight words (TM_PROBE_W_FIXED) or activations
+// (TM_PROBE_ACT_FIXED) at the row's first batch, so later batches hit L1 instead of streaming.
+#ifndef TM_PROBE_W_FIXED
+#define TM_PROBE_W_FIXED 0
+#endif
+#ifndef TM_PROBE_ACT_FIXED
+#define TM_PROBE_ACT_FIXED 0
+#endif
+constexpr int kPipeWarps = 8;            // warps a block may have where the ring is used (every such kernel: 8)
+constexpr int kPipeGroupRowBytes = 768;  // a group-row's slots: 32 lanes x 16 code bytes, 32 x 8 scale bytes
+constexpr int kPipeStageBytes = 2 * kPipeGroupRowBytes;
+#if TM_Q8T_PIPE == 2
+__shared__ __align__(16) uint8_t q8t_ring[kPipeWarps * 2 * kPipeStageBytes];
+#endif
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
   return __ldg(reinterpret_cast<const T*>(p));
@@ -651,18 +684,30 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook>
+// RING (TM_Q8T_PIPE 2): the batch's words are this lane's slots of the ring stage `stage` (q8t_ring_issue).
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, bool RING = false,
+          class Hook>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT], const Hook& hook, bool first) {
+                                          float (&acc)[NR][NT], const Hook& hook, bool first,
+                                          const uint8_t* stage = nullptr) {
   using T = Q8TiledTraits;
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
-    if (Full || g < ngroups) {
+    if constexpr (RING) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* slot = stage + (v * NR + r) * kPipeGroupRowBytes;
+        const uint4 q = *reinterpret_cast<const uint4*>(slot + 16 * lane);
+        c[v][r][0] = make_uint2(q.x, q.y);
+        c[v][r][1] = make_uint2(q.z, q.w);
+        sc[v][r] = *reinterpret_cast<const uint2*>(slot + 512 + 8 * lane);
+      }
+    } else if (Full || g < ngroups) {
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if constexpr (W16) {
@@ -696,6 +741,17 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+  if constexpr (TM_Q8T_PIPE == 1 && Full && !SM) {  // the next batch's lines, behind this batch's loads
+    if (g0 + 2 * kGroups <= ngroups) {
+#pragma unroll
+      for (int v = 0; v < kGroups; ++v)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          if ((lane & 7) == 0) prefetch_l1(code[r] + (kGroups + v) * 512);
+          if (lane == 0) prefetch_l1(scale[r] + (kGroups + v) * 32);
+        }
+    }
+  }
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
@@ -715,6 +771,22 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+}
+
+// TM_Q8T_PIPE 2: this lane copies its words of the kGroups groups at code / scale into its slots of the ring stage
+// at shared address `stage` (16-byte code words, 8-byte scale words), as one cp.async group.
+template <int kGroups, int NR>
+__device__ __forceinline__ void q8t_ring_issue(uint32_t stage, const uint8_t* const (&code)[NR],
+                                               const uint8_t* const (&scale)[NR], int lane) {
+#pragma unroll
+  for (int v = 0; v < kGroups; ++v)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const uint32_t slot = stage + (v * NR + r) * kPipeGroupRowBytes;
+      cp_async16(slot + 16 * lane, code[r] + v * 512);
+      cp_async8(slot + 512 + 8 * lane, scale[r] + v * 32);
+    }
+  cp_async_commit();
 }
 
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
@@ -754,17 +826,52 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
 #pragma unroll
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
+  constexpr int kWStep = TM_PROBE_W_FIXED ? 0 : kGroups * 512, kSStep = TM_PROBE_W_FIXED ? 0 : kGroups * 32;
+  constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
   int g0 = 0;
-  for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                     hook, g0 == 0);
+  if constexpr (TM_Q8T_PIPE == 2 && W16 && !SM && kGroups * NR <= 2) {
+#if TM_Q8T_PIPE == 2
+    const int nfull = ngroups / kGroups;
+    const uint8_t* ring = q8t_ring + (threadIdx.x >> 5) * 2 * kPipeStageBytes;
+    const uint32_t base = smem_addr(ring);
+    auto advance_w = [&]() {
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      code[r] += kGroups * 512;
-      scale[r] += kGroups * 32;
+      for (int r = 0; r < NR; ++r) {
+        code[r] += kWStep;
+        scale[r] += kSStep;
+      }
+    };
+    if (nfull > 0) {
+      q8t_ring_issue<kGroups, NR>(base, code, scale, lane);
+      advance_w();
+      hook();
     }
+    for (int k = 0; k < nfull; ++k, g0 += kGroups) {
+      if (k + 1 < nfull) {
+        q8t_ring_issue<kGroups, NR>(base + ((k + 1) & 1) * kPipeStageBytes, code, scale, lane);
+        advance_w();
+      } else {
+        cp_async_commit();  // an empty group: wait_group 1 then means this batch's
+      }
+      cp_async_wait1();
+      q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, true>(w, code, scale, xg, g0, ngroups, tail, scales, lane,
+                                                             acc, hook, false, ring + (k & 1) * kPipeStageBytes);
 #pragma unroll
-    for (int i = 0; i < NX; ++i) xg[i] += kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
+      for (int i = 0; i < NX; ++i) xg[i] += kXStep;
+    }
+#endif
+  } else {
+    for (; g0 + kGroups <= ngroups; g0 += kGroups) {
+      q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+                                                       hook, g0 == 0);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        code[r] += kWStep;
+        scale[r] += kSStep;
+      }
+#pragma unroll
+      for (int i = 0; i < NX; ++i) xg[i] += kXStep;
+    }
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
