@@ -645,8 +645,12 @@ struct NoHook {
 constexpr int kPipeWarps = 8;            // warps a block may have where the ring is used (every such kernel: 8)
 constexpr int kPipeGroupRowBytes = 768;  // a group-row's slots: 32 lanes x 16 code bytes, 32 x 8 scale bytes
 constexpr int kPipeStageBytes = 2 * kPipeGroupRowBytes;
-#if TM_Q8T_PIPE == 2
-__shared__ __align__(16) uint8_t q8t_ring[kPipeWarps * 2 * kPipeStageBytes];
+__shared__ __align__(16) uint8_t q8t_ring[kPipeWarps * 2 * kPipeStageBytes];  // only kernels that use it hold it
+// A reader of rows of exactly 4 groups (2,048 values: every weight row of the Qwen MoE shapes but the downs) with
+// the row's batches unrolled, so that every load addresses its base register plus an immediate offset instead of
+// running pointers advanced after each batch (a measurement knob, results/NOTES.md lesson 129; the same bits).
+#ifndef TM_Q8T_UNROLL4
+#define TM_Q8T_UNROLL4 0
 #endif
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
@@ -801,7 +805,8 @@ __device__ __forceinline__ void q8t_ring_issue(uint32_t stage, const uint8_t* co
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
+// RING: (W16 rows read from global memory, at most two group-rows a batch) through q8t_ring as TM_Q8T_PIPE 2 does.
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, bool RING = false>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
@@ -829,8 +834,31 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int kWStep = TM_PROBE_W_FIXED ? 0 : kGroups * 512, kSStep = TM_PROBE_W_FIXED ? 0 : kGroups * 32;
   constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
   int g0 = 0;
-  if constexpr (TM_Q8T_PIPE == 2 && W16 && !SM && kGroups * NR <= 2) {
-#if TM_Q8T_PIPE == 2
+  if constexpr (TM_Q8T_UNROLL4 != 0 && 4 % kGroups == 0) {
+    if (ngroups == 4 && tail == 0) {
+#pragma unroll
+      for (int k = 0; k < 4 / kGroups; ++k) {
+        const uint8_t* ck[NR];
+        const uint8_t* sk[NR];
+        const float* xk[NX];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          ck[r] = code[r] + k * kGroups * 512;
+          sk[r] = scale[r] + k * kGroups * 32;
+        }
+#pragma unroll
+        for (int i = 0; i < NX; ++i) xk[i] = xg[i] + k * kGroups * 512;
+        q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, ck, sk, xk, k * kGroups, ngroups, tail, scales, lane,
+                                                         acc, hook, k == 0);
+      }
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
+      return;
+    }
+  }
+  if constexpr ((TM_Q8T_PIPE == 2 || RING) && W16 && !SM && kGroups * NR <= 2) {
     const int nfull = ngroups / kGroups;
     const uint8_t* ring = q8t_ring + (threadIdx.x >> 5) * 2 * kPipeStageBytes;
     const uint32_t base = smem_addr(ring);
@@ -859,7 +887,6 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
       for (int i = 0; i < NX; ++i) xg[i] += kXStep;
     }
-#endif
   } else {
     for (; g0 + kGroups <= ngroups; g0 += kGroups) {
       q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
@@ -956,13 +983,13 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //              (work that would otherwise wait for the dot product: the deferred norm's inv, norm.cuh); it must
 //              not touch the dot's registers. Not called for the other layouts, nor for rows without a batch:
 //              the caller then runs it after the dot product (warp_dot returns whether it ran).
-template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
+template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, bool RING = false>
 __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   static_assert(!SM || fmt_tiled(F), "only the tiled reader reads rows from shared memory");
   if constexpr (fmt_tiled(F)) {
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out, hook);
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM, Hook, RING>(w, x, nblocks, out, hook);
     return nblocks >= 4;  // at least one step, so one batch, ran: the hook with it
   } else {
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
