@@ -29,11 +29,6 @@ constexpr int64_t kPairRowsPerSm = 64;
 #ifndef TM_MATMUL_ROW_MIN_BLOCKS
 #define TM_MATMUL_ROW_MIN_BLOCKS 3
 #endif
-// Whether the output head's reader keeps its next batch coming through qdot.cuh's shared-memory ring (a measurement
-// knob, results/NOTES.md lesson 129; the same bits).
-#ifndef TM_MATMUL_RING
-#define TM_MATMUL_RING 0
-#endif
 template <Fmt F, int NR, int NT>
 constexpr int matmul_min_blocks() {
   if constexpr (!fmt_tiled(F)) return TM_WEIGHT_MIN_BLOCKS;
@@ -77,8 +72,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     return;
   }
   float out[NR][NT];
-  // (TM_MATMUL_RING) the two-row decode matmul, the output head, reads through the reader's shared-memory ring
-  warp_dot<F, NR, NT, true, V, false, NoHook, TM_MATMUL_RING != 0 && NR == 2 && NT == 1>(wr, xs, nblocks, out);
+  warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
 #pragma unroll

@@ -623,43 +623,15 @@ struct NoHook {
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
 #endif
-
-// How the tiled reader keeps the next batch of a row coming while it multiplies this one (measurement knobs,
-// results/NOTES.md lesson 129; the bits never depend on them): 0 it does not (the product); 1 every whole batch
-// asks for the next batch's lines in L1 (prefetch.global.L1, one lane per 128-byte line) right after issuing its
-// own loads; 2 whole batches of rows read from global memory (16-byte code words, at most two group-rows a batch)
-// are copied by each lane into its own slots of a two-stage ring in shared memory (cp.async, no register holds
-// bytes in flight, no barrier: a lane reads back only what it copied), the next batch's copies issued before this
-// batch is multiplied.
-#ifndef TM_Q8T_PIPE
-#define TM_Q8T_PIPE 0
-#endif
-// Timing-only bounds (wrong results): 1 keeps the reader's weight words (TM_PROBE_W_FIXED) or activations
-// (TM_PROBE_ACT_FIXED) at the row's first batch, so later batches hit L1 instead of streaming.
+// Timing-only bounds (wrong results; results/NOTES.md lesson 129): 1 keeps the reader's weight words
+// (TM_PROBE_W_FIXED) or activations (TM_PROBE_ACT_FIXED) at the first batch of the row, so every later batch
+// re-reads those bytes from L1 instead of streaming new ones: what the kernels would gain if those loads were free.
 #ifndef TM_PROBE_W_FIXED
 #define TM_PROBE_W_FIXED 0
 #endif
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
-constexpr int kPipeWarps = 8;            // warps a block may have where the ring is used (every such kernel: 8)
-constexpr int kPipeGroupRowBytes = 768;  // a group-row's slots: 32 lanes x 16 code bytes, 32 x 8 scale bytes
-constexpr int kPipeStageBytes = 2 * kPipeGroupRowBytes;
-__shared__ __align__(16) uint8_t q8t_ring[kPipeWarps * 2 * kPipeStageBytes];  // only kernels that use it hold it
-// A reader of rows of exactly 4 groups (2,048 values: every weight row of the Qwen MoE shapes but the downs) with
-// the row's batches unrolled, so that every load addresses its base register plus an immediate offset instead of
-// running pointers advanced after each batch (a measurement knob, results/NOTES.md lesson 129; the same bits).
-#ifndef TM_Q8T_UNROLL4
-#define TM_Q8T_UNROLL4 0
-#endif
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -688,30 +660,18 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-// RING (TM_Q8T_PIPE 2): the batch's words are this lane's slots of the ring stage `stage` (q8t_ring_issue).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, bool RING = false,
-          class Hook>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
-                                          float (&acc)[NR][NT], const Hook& hook, bool first,
-                                          const uint8_t* stage = nullptr) {
+                                          float (&acc)[NR][NT], const Hook& hook, bool first) {
   using T = Q8TiledTraits;
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
-    if constexpr (RING) {
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* slot = stage + (v * NR + r) * kPipeGroupRowBytes;
-        const uint4 q = *reinterpret_cast<const uint4*>(slot + 16 * lane);
-        c[v][r][0] = make_uint2(q.x, q.y);
-        c[v][r][1] = make_uint2(q.z, q.w);
-        sc[v][r] = *reinterpret_cast<const uint2*>(slot + 512 + 8 * lane);
-      }
-    } else if (Full || g < ngroups) {
+    if (Full || g < ngroups) {
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if constexpr (W16) {
@@ -745,17 +705,6 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-  if constexpr (TM_Q8T_PIPE == 1 && Full && !SM) {  // the next batch's lines, behind this batch's loads
-    if (g0 + 2 * kGroups <= ngroups) {
-#pragma unroll
-      for (int v = 0; v < kGroups; ++v)
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          if ((lane & 7) == 0) prefetch_l1(code[r] + (kGroups + v) * 512);
-          if (lane == 0) prefetch_l1(scale[r] + (kGroups + v) * 32);
-        }
-    }
-  }
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
@@ -777,22 +726,6 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
 }
 
-// TM_Q8T_PIPE 2: this lane copies its words of the kGroups groups at code / scale into its slots of the ring stage
-// at shared address `stage` (16-byte code words, 8-byte scale words), as one cp.async group.
-template <int kGroups, int NR>
-__device__ __forceinline__ void q8t_ring_issue(uint32_t stage, const uint8_t* const (&code)[NR],
-                                               const uint8_t* const (&scale)[NR], int lane) {
-#pragma unroll
-  for (int v = 0; v < kGroups; ++v)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const uint32_t slot = stage + (v * NR + r) * kPipeGroupRowBytes;
-      cp_async16(slot + 16 * lane, code[r] + v * 512);
-      cp_async8(slot + 512 + 8 * lane, scale[r] + v * 32);
-    }
-  cp_async_commit();
-}
-
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
 // the same step order, as from the Q8_0 bytes of the same row (the codes biased by 128), and feeds them to the
 // same arithmetic (FmtTraits<Q8_0>::dot_biased, which FmtTraits<Q8_0>::dot calls), so the result is bitwise
@@ -805,8 +738,7 @@ __device__ __forceinline__ void q8t_ring_issue(uint32_t stage, const uint8_t* co
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-// RING: (W16 rows read from global memory, at most two group-rows a batch) through q8t_ring as TM_Q8T_PIPE 2 does.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, bool RING = false>
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
@@ -834,71 +766,16 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int kWStep = TM_PROBE_W_FIXED ? 0 : kGroups * 512, kSStep = TM_PROBE_W_FIXED ? 0 : kGroups * 32;
   constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
   int g0 = 0;
-  if constexpr (TM_Q8T_UNROLL4 != 0 && 4 % kGroups == 0) {
-    if (ngroups == 4 && tail == 0) {
+  for (; g0 + kGroups <= ngroups; g0 += kGroups) {
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+                                                     hook, g0 == 0);
 #pragma unroll
-      for (int k = 0; k < 4 / kGroups; ++k) {
-        const uint8_t* ck[NR];
-        const uint8_t* sk[NR];
-        const float* xk[NX];
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          ck[r] = code[r] + k * kGroups * 512;
-          sk[r] = scale[r] + k * kGroups * 32;
-        }
-#pragma unroll
-        for (int i = 0; i < NX; ++i) xk[i] = xg[i] + k * kGroups * 512;
-        q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, ck, sk, xk, k * kGroups, ngroups, tail, scales, lane,
-                                                         acc, hook, k == 0);
-      }
-#pragma unroll
-      for (int r = 0; r < NR; ++r)
-#pragma unroll
-        for (int t = 0; t < NT; ++t) out[r][t] = warp_sum(acc[r][t]);
-      return;
+    for (int r = 0; r < NR; ++r) {
+      code[r] += kWStep;
+      scale[r] += kSStep;
     }
-  }
-  if constexpr ((TM_Q8T_PIPE == 2 || RING) && W16 && !SM && kGroups * NR <= 2) {
-    const int nfull = ngroups / kGroups;
-    const uint8_t* ring = q8t_ring + (threadIdx.x >> 5) * 2 * kPipeStageBytes;
-    const uint32_t base = smem_addr(ring);
-    auto advance_w = [&]() {
 #pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        code[r] += kWStep;
-        scale[r] += kSStep;
-      }
-    };
-    if (nfull > 0) {
-      q8t_ring_issue<kGroups, NR>(base, code, scale, lane);
-      advance_w();
-      hook();
-    }
-    for (int k = 0; k < nfull; ++k, g0 += kGroups) {
-      if (k + 1 < nfull) {
-        q8t_ring_issue<kGroups, NR>(base + ((k + 1) & 1) * kPipeStageBytes, code, scale, lane);
-        advance_w();
-      } else {
-        cp_async_commit();  // an empty group: wait_group 1 then means this batch's
-      }
-      cp_async_wait1();
-      q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, true>(w, code, scale, xg, g0, ngroups, tail, scales, lane,
-                                                             acc, hook, false, ring + (k & 1) * kPipeStageBytes);
-#pragma unroll
-      for (int i = 0; i < NX; ++i) xg[i] += kXStep;
-    }
-  } else {
-    for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-      q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                       hook, g0 == 0);
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        code[r] += kWStep;
-        scale[r] += kSStep;
-      }
-#pragma unroll
-      for (int i = 0; i < NX; ++i) xg[i] += kXStep;
-    }
+    for (int i = 0; i < NX; ++i) xg[i] += kXStep;
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
@@ -983,13 +860,13 @@ __device__ __forceinline__ void warp_dot_blocks(const uint8_t* const (&w)[NR], c
 //              (work that would otherwise wait for the dot product: the deferred norm's inv, norm.cuh); it must
 //              not touch the dot's registers. Not called for the other layouts, nor for rows without a batch:
 //              the caller then runs it after the dot product (warp_dot returns whether it ran).
-template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, bool RING = false>
+template <Fmt F, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
 __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
                                          int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   static_assert(SX || NT == 1, "per-row activations take one token");
   static_assert(!SM || fmt_tiled(F), "only the tiled reader reads rows from shared memory");
   if constexpr (fmt_tiled(F)) {
-    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM, Hook, RING>(w, x, nblocks, out, hook);
+    warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, V, SM>(w, x, nblocks, out, hook);
     return nblocks >= 4;  // at least one step, so one batch, ran: the hook with it
   } else {
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
