@@ -60,6 +60,13 @@ __device__ __forceinline__ float4 ld_x4(const float* p) {
   }
 }
 
+// Timing-only bound (wrong results; results/NOTES.md lesson 133): 1 replaces Q8_0's exact code conversion (a
+// PRMT and an FADD per code, 64 of the tiled reader's 140 instructions a batch) with one LOP3 per 4 codes, so the
+// decode shows what fewer instructions per weight would buy (the q8-activation dot's promise) before it is written.
+#ifndef TM_PROBE_NO_CONVERT
+#define TM_PROBE_NO_CONVERT 0
+#endif
+
 // 2^23 + byte i of `word` as a float (exact): a byte-to-float conversion at full ALU rate (no I2F).
 __device__ __forceinline__ float biased_byte(uint32_t word, int i) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + static_cast<unsigned>(i)));
@@ -130,10 +137,15 @@ struct FmtTraits<Fmt::Q8_0> {
   // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED): the same values, one LOP3 fewer.
   __device__ __forceinline__ static float dot_biased(const Frag& f, const XFrag& x, float acc) {
     const uint32_t q = f.q;
+#if TM_PROBE_NO_CONVERT
+    // timing only: one finite float in [0.5, 1) from the word for all 4 codes (1 instruction instead of 8)
+    const float q0 = __uint_as_float((q & 0x007F7F7Fu) | 0x3F000000u), q1 = q0, q2 = q0, q3 = q0;
+#else
     const float q0 = __fsub_rn(biased_byte(q, 0), 8388736.0f);  // 2^23 + 128
     const float q1 = __fsub_rn(biased_byte(q, 1), 8388736.0f);
     const float q2 = __fsub_rn(biased_byte(q, 2), 8388736.0f);
     const float q3 = __fsub_rn(biased_byte(q, 3), 8388736.0f);
+#endif
     float s = __fmul_rn(q0, x.x);
     s = __fmaf_rn(q1, x.y, s);
     s = __fmaf_rn(q2, x.z, s);
