@@ -43,6 +43,15 @@ def attention_scratch(n_tokens: int, n_heads: int, head_dim: int, device: str | 
     return torch.zeros(words, dtype=torch.int32, device=device)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN and -0.0 included, which torch.equal does not give) of two float32 or int32
+    tensors of one dtype and shape, on any devices."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {torch.float32: torch.int32, torch.int32: torch.int32}[a.dtype]
+    return torch.equal(a.contiguous().view(view).cpu(), b.contiguous().view(view).cpu())
+
+
 def write_late(dst: torch.Tensor, value: int) -> None:
     """Writes `value` into the int32 word `dst` from a kernel that outlasts the start of the next one: an
     argmax over ~16 MB of logits, which triggers its dependents at its start and writes at its end. The kernel

@@ -24,7 +24,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params, write_late
+from conftest import device_params, same_bits, write_late
 
 from tornado_moe import kernels as K
 
@@ -241,11 +241,6 @@ def test_experts_gate_up_is_shared_then_routed_bitwise(
     K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
     assert not torch.isnan(sh_ref).any() and not torch.isnan(act_ref).any()
     assert torch.equal(sh, sh_ref) and torch.equal(act, act_ref)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality that also holds for NaN rows (torch.equal says NaN != NaN)."""
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 # every format at 13 tokens (grouped on CUDA); the pair-list limit, which no format changes, at 1,100 tokens

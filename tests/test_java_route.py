@@ -18,7 +18,7 @@ import kernel_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import device_params
+from conftest import device_params, same_bits
 
 from tornado_moe.graph import ExecutionPlan, ImmutableTaskGraph, Task, TaskGraph
 from tornado_moe.kernels import ops
@@ -40,14 +40,6 @@ VOCAB, HIDDEN, OUT, TOKENS, EPS = 40, 64, 48, 3, 1e-6
 @pytest.fixture(scope="module", autouse=True)
 def _jvm() -> None:
     jvm.start_jvm()
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN and -0.0 included) of two tensors of one dtype."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    view = {torch.float32: torch.int32, torch.int32: torch.int32}[a.dtype]
-    return torch.equal(a.contiguous().view(view).cpu(), b.contiguous().view(view).cpu())
 
 
 @dataclass
@@ -135,7 +127,7 @@ def test_pipeline_is_bitwise_equal_to_torch_ops(device: str) -> None:
     finally:
         program.close()
     for name in Pipeline.OUTPUTS:
-        assert _same_bits(java.tensors[name], torch_side.tensors[name]), name
+        assert same_bits(java.tensors[name], torch_side.tensors[name]), name
     # Both routes right, not just equal: float64 reference of the whole pipeline.
     logits = java.tensors["logits"].cpu()
     assert ref.rel_err(logits, _float64_logits()) < 1e-5
@@ -158,7 +150,7 @@ def test_execution_plan_routes_agree(device: str) -> None:
         _sync(device)
         after = pa.profiler_result()
     for name in Pipeline.OUTPUTS:
-        assert _same_bits(a.tensors[name], b.tensors[name]), name
+        assert same_bits(a.tensors[name], b.tensors[name]), name
     assert prof.kernel_count == 2 * 6 and after.kernel_count == 2 * 6
     assert prof.launches_by_graph() == {"embed": 2, "layer": 10}
 
@@ -174,7 +166,7 @@ def test_java_cuda_graph_replays_equal_eager() -> None:
         program.launch_all(stream)  # eager first: loads every kernel before capture
         torch.cuda.synchronize()
         for name in Pipeline.OUTPUTS:
-            assert _same_bits(p.tensors[name], expect.tensors[name]), f"eager {name}"
+            assert same_bits(p.tensors[name], expect.tensors[name]), f"eager {name}"
         program.enable_cuda_graph()
         program.enable_profiler()
         for run in ("capture+launch", "replay 1", "replay 2"):
@@ -182,7 +174,7 @@ def test_java_cuda_graph_replays_equal_eager() -> None:
             program.launch_all(stream)
             torch.cuda.synchronize()
             for name in Pipeline.OUTPUTS:
-                assert _same_bits(p.tensors[name], expect.tensors[name]), f"{run}: {name}"
+                assert same_bits(p.tensors[name], expect.tensors[name]), f"{run}: {name}"
         rows, replays, replay_ns = program.profiler_rows()
         assert replays == 3 and replay_ns > 0
         assert [r.launches for r in rows] == [3] * 6
@@ -193,7 +185,7 @@ def test_java_cuda_graph_replays_equal_eager() -> None:
             p.reset_outputs()
             program.launch_all(s)
             torch.cuda.current_stream().synchronize()
-            assert _same_bits(p.tensors["logits"], expect.tensors["logits"])
+            assert same_bits(p.tensors["logits"], expect.tensors["logits"])
     finally:
         program.close()
 
