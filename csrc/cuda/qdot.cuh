@@ -644,6 +644,13 @@ struct NoHook {
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
+// Timing-only bound (wrong results; results/NOTES.md lesson 134): 1 makes the tiled reader's whole groups take
+// int8 activations as if a producer had quantized them (a float scale per 4 values, stored per group as 512 code
+// bytes then 512 scale bytes, read from the float activations' addresses): one DP4A, an exact int-to-float and the
+// scale's two products per 4 codes instead of 14 instructions, and half the activation bytes.
+#ifndef TM_PROBE_Q8_ACT
+#define TM_PROBE_Q8_ACT 0
+#endif
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -718,6 +725,41 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
     }
   }
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
+#if TM_PROBE_Q8_ACT
+  if constexpr (Full) {
+    constexpr int NX = SX ? NT : NR;
+#pragma unroll
+    for (int v = 0; v < kGroups; ++v) {
+      uint4 aq[NX];
+      float4 as[NX];
+#pragma unroll
+      for (int i = 0; i < NX; ++i) {
+        const uint8_t* xb = reinterpret_cast<const uint8_t*>(xg[i]) + v * 2048 + 16 * lane;
+        aq[i] = *reinterpret_cast<const uint4*>(xb);
+        as[i] = *reinterpret_cast<const float4*>(xb + 512);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const uint2 cw = c[v][r][u >> 1];
+          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+          const int wq = static_cast<int>(((u & 1) ? cw.y : cw.x) ^ 0x80808080u);
+          const float dw = fp16_bits_to_f32((u & 1) ? sw >> 16 : sw & 0xFFFFu);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            const int i = SX ? t : r;
+            const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
+            const float da = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
+            const int si = __dp4a(wq, static_cast<int>(a), 0);
+            const float sf = __fsub_rn(__int_as_float(0x4B400000 + si), 12582912.0f);
+            if (SX || t == 0) acc[r][t] = __fmaf_rn(__fmul_rn(dw, da), sf, acc[r][t]);
+          }
+        }
+      }
+    }
+  } else {
+#endif
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
@@ -736,6 +778,9 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+#if TM_PROBE_Q8_ACT
+  }
+#endif
 }
 
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
