@@ -651,6 +651,12 @@ struct NoHook {
 #ifndef TM_PROBE_Q8_ACT
 #define TM_PROBE_Q8_ACT 0
 #endif
+// With TM_PROBE_Q8_ACT (measurement only, same bits as that probe): the whole batch D batches ahead asked for in
+// L1 (D = 1) or L2 (D = 2), one prefetch per 128-byte line, right after this batch's loads: does a reader with
+// spare issue slots stream better with prefetches (they lost on the float reader, lesson 130)?
+#ifndef TM_PROBE_Q8_PF
+#define TM_PROBE_Q8_PF 0
+#endif
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -724,6 +730,26 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+#if TM_PROBE_Q8_PF
+  if constexpr (Full && !SM) {
+    if (g0 + (TM_PROBE_Q8_PF + 1) * kGroups <= ngroups) {
+#pragma unroll
+      for (int v = 0; v < kGroups; ++v)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* cl = code[r] + (TM_PROBE_Q8_PF * kGroups + v) * 512;
+          const uint8_t* sl = scale[r] + (TM_PROBE_Q8_PF * kGroups + v) * 32;
+          if constexpr (TM_PROBE_Q8_PF == 1) {
+            if ((lane & 7) == 0) prefetch_l1(cl);
+            if (lane == 0) prefetch_l1(sl);
+          } else {
+            if ((lane & 7) == 0) prefetch_l2(cl);
+            if (lane == 0) prefetch_l2(sl);
+          }
+        }
+    }
+  }
+#endif
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
 #if TM_PROBE_Q8_ACT
   if constexpr (Full) {
