@@ -651,9 +651,9 @@ struct NoHook {
 #ifndef TM_PROBE_Q8_ACT
 #define TM_PROBE_Q8_ACT 0
 #endif
-// With TM_PROBE_Q8_ACT (measurement only, same bits as that probe): the whole batch D batches ahead asked for in
-// L1 (D = 1) or L2 (D = 2), one prefetch per 128-byte line, right after this batch's loads: does a reader with
-// spare issue slots stream better with prefetches (they lost on the float reader, lesson 130)?
+// A measurement knob (the same bits as the build without it; measured with TM_PROBE_Q8_ACT, lesson 136): the whole
+// batch D batches ahead asked for in L1 (D = 1) or L2 (D = 2), one prefetch per 128-byte line, right after this
+// batch's loads: does a reader with spare issue slots stream better with prefetches (the float reader's lost)?
 #ifndef TM_PROBE_Q8_PF
 #define TM_PROBE_Q8_PF 0
 #endif
@@ -733,19 +733,15 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 #if TM_PROBE_Q8_PF
   if constexpr (Full && !SM) {
     if (g0 + (TM_PROBE_Q8_PF + 1) * kGroups <= ngroups) {
+      const auto ask = [](const uint8_t* p) {
+        if constexpr (TM_PROBE_Q8_PF == 1) prefetch_l1(p); else prefetch_l2(p);
+      };
 #pragma unroll
       for (int v = 0; v < kGroups; ++v)
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          const uint8_t* cl = code[r] + (TM_PROBE_Q8_PF * kGroups + v) * 512;
-          const uint8_t* sl = scale[r] + (TM_PROBE_Q8_PF * kGroups + v) * 32;
-          if constexpr (TM_PROBE_Q8_PF == 1) {
-            if ((lane & 7) == 0) prefetch_l1(cl);
-            if (lane == 0) prefetch_l1(sl);
-          } else {
-            if ((lane & 7) == 0) prefetch_l2(cl);
-            if (lane == 0) prefetch_l2(sl);
-          }
+          if ((lane & 7) == 0) ask(code[r] + (TM_PROBE_Q8_PF * kGroups + v) * 512);
+          if (lane == 0) ask(scale[r] + (TM_PROBE_Q8_PF * kGroups + v) * 32);
         }
     }
   }
@@ -773,13 +769,13 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
           const int wq = static_cast<int>(((u & 1) ? cw.y : cw.x) ^ 0x80808080u);
           const float dw = fp16_bits_to_f32((u & 1) ? sw >> 16 : sw & 0xFFFFu);
 #pragma unroll
-          for (int t = 0; t < NT; ++t) {
+          for (int t = 0; t < (SX ? NT : 1); ++t) {
             const int i = SX ? t : r;
             const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
             const float da = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
             const int si = __dp4a(wq, static_cast<int>(a), 0);
             const float sf = __fsub_rn(__int_as_float(0x4B400000 + si), 12582912.0f);
-            if (SX || t == 0) acc[r][t] = __fmaf_rn(__fmul_rn(dw, da), sf, acc[r][t]);
+            acc[r][t] = __fmaf_rn(__fmul_rn(dw, da), sf, acc[r][t]);
           }
         }
       }
