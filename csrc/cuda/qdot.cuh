@@ -644,7 +644,7 @@ struct NoHook {
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
-// Timing-only bound (wrong results; results/NOTES.md lesson 134): 1 makes the tiled reader's whole groups take
+// Timing-only bound (wrong results; results/NOTES.md lesson 135): 1 makes the tiled reader's whole groups take
 // int8 activations as if a producer had quantized them (a float scale per 4 values, stored per group as 512 code
 // bytes then 512 scale bytes, read from the float activations' addresses): one DP4A, an exact int-to-float and the
 // scale's two products per 4 codes instead of 14 instructions, and half the activation bytes.
