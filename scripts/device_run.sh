@@ -10,21 +10,21 @@
 # reports then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it ends the call before
 # any work, so that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES
 # (default: every stage), BUDGET_S;
-# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..."
-# (this tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this
-# tree, e.g. `git archive <branch> | tar -x -C .tune-<name>`; with empty flags, e.g. TUNING="main:" and main's tree
-# in .tune-main, the baseline's bench and chain profile on the same machine as this tree's), KB_ARGS
-# (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled` for a baseline that
-# has it), TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU tests; or a comma list of names:
-# those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K, one pytest -k expression such as
-# `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list of names: those only),
-# TUNING_PROFILE=1 (and profile each benched one), TUNING_PREFILL=name,... (and time those builds' prompt
-# processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments, default `-n 8`);
-# TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be built with
-# -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain); FFN_TIMELINE=<name> (the
-# same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with -DTM_FFN_TIMELINE=1);
-# PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run, e.g. a carried
-# branch's .tune-<name>/scripts/proto/*.cu);
+# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this
+# tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this tree,
+# e.g. `git archive <branch> | tar -x -C .tune-<name>`; with empty flags, e.g. TUNING="main:" and main's tree in
+# .tune-main, the baseline's bench and chain profile on the same machine as this tree's), KB_ARGS (TUNING_KB_ARGS,
+# BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it),
+# TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU
+# tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,
+# one pytest -k expression such as `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list
+# of names: those only), TUNING_PROFILE=1 (and profile each benched one), TUNING_PREFILL=name,... (and time those
+# builds' prompt processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments,
+# default `-n 8`); TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be
+# built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
+# FFN_TIMELINE=<name> (the same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with
+# -DTM_FFN_TIMELINE=1); PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run,
+# e.g. a carried branch's .tune-<name>/scripts/proto/*.cu);
 # env sweep: ENV_SWEEP="name:VAR=value ...;..." (stage sweep: this tree's bench, fused + graphs, and chain profile
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
 # BENCH_STEPS (the bench stage's --steps-per-graph, e.g. `1,8`: every variant once per count);
