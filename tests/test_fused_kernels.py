@@ -130,7 +130,8 @@ def test_rmsnorm_factors_grouped_sum_bitwise(device: str, dim: int) -> None:
     raw, w64 = ref.make_weights(rng, (40, dim), ref.QTYPES["Q8_0"])
     out = poisoned((n_tokens, 40), device)
     K.matmul(ref.QTYPES["Q8_0"], raw.to(device), xw, None, out, n_tokens, 40, dim, scale=inv)
-    expected = ref.rmsnorm(x.double().cpu(), w.double().cpu(), eps) @ w64.T
+    inv64 = 1.0 / torch.sqrt((x.double().cpu() ** 2).mean(dim=-1, keepdim=True) + eps)
+    expected = (ref.dot_input(xw, ref.QTYPES["Q8_0"]) @ w64.T) * inv64  # Q8_0 takes xw's int8 groups
     assert ref.rel_err(out.cpu(), expected) < TOL_LONG
 
 
@@ -176,9 +177,11 @@ def test_qkv_rope_without_bias_matches_float64() -> None:
     pos = torch.tensor([pos0], dtype=torch.int32)
     K.qkv_rope(8, x, None, None, norm_w, eps, raw, raw, raw, None, None, None, q, kc, vc, pos, n_tokens,
                hidden, n_heads, n_heads, hd, pos0 + n_tokens, base, True)
-    h = ref.rmsnorm(x.double(), norm_w.double(), eps)
+    # the deferred norm: W (x * norm_w), the product's activations as Q8_0 takes them, then / rms(x)
+    inv = 1.0 / torch.sqrt((x.double() ** 2).mean(dim=-1, keepdim=True) + eps)
+    wh = (ref.dot_input(x * norm_w, ref.QTYPES["Q8_0"]) @ w64.T) * inv
     positions = torch.arange(pos0, pos0 + n_tokens)
-    expected = ref.rope((h @ w64.T).view(n_tokens, n_heads, hd), positions, base, True)
+    expected = ref.rope(wh.view(n_tokens, n_heads, hd), positions, base, True)
     assert ref.rel_err(q.view(n_tokens, n_heads, hd), expected) < 1e-5
     assert torch.equal(kc[pos0:], q)  # same weights for k: the same rotated rows
 
@@ -697,7 +700,7 @@ def test_matmul_long_rows_and_any_alignment(device: str, qtype: int, cols: int) 
     y = poisoned((n_tokens, rows), device)
     K.matmul(qtype, raw.to(device), x, None, y, n_tokens, rows, cols)
     assert not torch.isnan(y).any()
-    assert ref.rel_err(y, x.cpu().double() @ w64.T) < TOL_LONG
+    assert ref.rel_err(y, ref.dot_input(x, qtype) @ w64.T) < TOL_LONG
     # the same bytes 2 (4 for F32) and 6 bytes off a 16-byte boundary: the same bits
     for offset in ((4, 12) if qtype == ref.QTYPES["F32"] else (2, 6)):
         y_off = poisoned((n_tokens, rows), device)
@@ -720,14 +723,14 @@ def test_moe_with_multi_chunk_rows(device: str, qtype: int) -> None:
     act = poisoned((n_tokens, top_k, 8), device)
     K.moe_gate_up(qtype, wg_raw.to(device), wu_raw.to(device), h, ids, act, n_tokens, top_k, 0, top_k,
                   n_experts, 8, hidden)
-    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k)) < TOL_LONG
+    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k, qtype)) < TOL_LONG
     # down over rows of 2112 values (the activations are made up: only the down product is under test here)
     act_d = randn(rng, (n_tokens, top_k, ffn), device)
     x0 = randn(rng, (n_tokens, 24), device)
     fused = x0.clone()
     K.moe_down_accumulate(qtype, wd_raw.to(device), act_d, ids, weights, None, None, fused, n_tokens, top_k,
                           0, top_k, n_experts, 24, ffn)
-    expected = ref.moe_down_accumulate(wd, act_d, ids, weights, None, None, x0, range(top_k))
+    expected = ref.moe_down_accumulate(wd, act_d, ids, weights, None, None, x0, range(top_k), qtype)
     assert ref.rel_err(fused, expected) < TOL_LONG
     per_slot = x0.clone()
     for s in range(top_k):

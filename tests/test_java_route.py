@@ -108,7 +108,7 @@ def _float64_logits() -> torch.Tensor:
     out = torch.from_numpy(ref.dequantize(d["out_w"], Q8_0)).double()
     x = table[torch.from_numpy(d["ids"]).long()]
     x = x + (ref.rmsnorm(x, w, EPS) @ proj.T + torch.from_numpy(d["proj_b"]).double())
-    return ref.rmsnorm(x, w, EPS) @ out.T
+    return ref.dot_input(ref.rmsnorm(x, w, EPS), Q8_0) @ out.T  # Q8_0 takes h's int8 groups
 
 
 def _sync(device: str) -> None:

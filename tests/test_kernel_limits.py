@@ -223,9 +223,9 @@ def test_thousands_of_experts(device: str) -> None:
         ffn,
         hidden,
     )
-    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k)) < TOL
+    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k, Q8_0)) < TOL
     x = torch.from_numpy(rng.standard_normal((n_tokens, hidden)).astype(np.float32)).to(device)
-    x_ref = ref.moe_down_accumulate(wd, act, ids, weights, None, None, x, range(top_k))
+    x_ref = ref.moe_down_accumulate(wd, act, ids, weights, None, None, x, range(top_k), Q8_0)
     K.moe_down_accumulate(
         Q8_0,
         wd_raw.to(device),

@@ -9,8 +9,10 @@
  *   IQ4_XS; 4 values for the F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value
  *   otherwise). kLanes lanes share a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive
  *   blocks; step s, lane l handles block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator
- *   per (row, token) and adds its blocks in increasing step order (Q8_0/Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i
- *   x_i, acc) with the in-block sum an fma chain, IQ4's q the level kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x,
+ *   per (row, token) and adds its blocks in increasing step order (Q8_0: its 4 activations are one int8 group of
+ *   act_quant.h, codes a and scale 2^e, and acc = fma(d * 2^e, dp4a(q, a), acc), both factors exact;
+ *   Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain, IQ4's q the level
+ *   kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x,
  *   acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of the lane, in order, fma(d*sc, sum q x, acc)
  *   then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block of the lane, in order, fma(d*scale, sum q x,
  *   acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
@@ -30,6 +32,7 @@
 
 #include <type_traits>
 
+#include "act_quant.h"
 #include "common.cuh"
 
 namespace tm_cuda {
@@ -59,13 +62,6 @@ __device__ __forceinline__ float4 ld_x4(const float* p) {
     return make_float4(p[0], p[1], p[2], p[3]);
   }
 }
-
-// Timing-only bound (wrong results; results/NOTES.md lesson 133): 1 replaces Q8_0's exact code conversion (a
-// PRMT and an FADD per code, 64 of the tiled reader's 140 instructions a batch) with one LOP3 per 4 codes, so the
-// decode shows what fewer instructions per weight would buy (the q8-activation dot's promise) before it is written.
-#ifndef TM_PROBE_NO_CONVERT
-#define TM_PROBE_NO_CONVERT 0
-#endif
 
 // 2^23 + byte i of `word` as a float (exact): a byte-to-float conversion at full ALU rate (no I2F).
 __device__ __forceinline__ float biased_byte(uint32_t word, int i) {
@@ -134,23 +130,17 @@ struct FmtTraits<Fmt::Q8_0> {
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
     return dot_biased(Frag{f.q ^ 0x80808080u, f.d}, x, acc);  // int8 -> uint8 + 128
   }
-  // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED): the same values, one LOP3 fewer.
+  // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED). The 4 activations are one group of
+  // act_quant.h (group = block * 8 + part): its codes meet the weight codes in one DP4A (an exact integer sum),
+  // and the block adds d * 2^e (exact) times that sum with one rounding.
   __device__ __forceinline__ static float dot_biased(const Frag& f, const XFrag& x, float acc) {
-    const uint32_t q = f.q;
-#if TM_PROBE_NO_CONVERT
-    // timing only: one finite float in [0.5, 1) from the word for all 4 codes (1 instruction instead of 8)
-    const float q0 = __uint_as_float((q & 0x007F7F7Fu) | 0x3F000000u), q1 = q0, q2 = q0, q3 = q0;
-#else
-    const float q0 = __fsub_rn(biased_byte(q, 0), 8388736.0f);  // 2^23 + 128
-    const float q1 = __fsub_rn(biased_byte(q, 1), 8388736.0f);
-    const float q2 = __fsub_rn(biased_byte(q, 2), 8388736.0f);
-    const float q3 = __fsub_rn(biased_byte(q, 3), 8388736.0f);
-#endif
-    float s = __fmul_rn(q0, x.x);
-    s = __fmaf_rn(q1, x.y, s);
-    s = __fmaf_rn(q2, x.z, s);
-    s = __fmaf_rn(q3, x.w, s);
-    return __fmaf_rn(fp16_bits_to_f32(f.d), s, acc);
+    const tm_act::Q8Group a = tm_act::q8_group(x.x, x.y, x.z, x.w);
+    return dot_codes(f, a.codes, a.scale, acc);
+  }
+  // the same with the activation group already quantized (codes, scale as act_quant.h makes them)
+  __device__ __forceinline__ static float dot_codes(const Frag& f, uint32_t codes, float scale, float acc) {
+    const int sum = __dp4a(static_cast<int>(f.q ^ 0x80808080u), static_cast<int>(codes), 0);
+    return __fmaf_rn(__fmul_rn(fp16_bits_to_f32(f.d), scale), static_cast<float>(sum), acc);
   }
 };
 

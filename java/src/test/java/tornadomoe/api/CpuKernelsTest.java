@@ -238,6 +238,32 @@ public class CpuKernelsTest {
         assertArrayEquals(new int[] {1, 2, 0, 4}, NativeTestSupport.readInts(out, 4));
     }
 
+    /**
+     * The values a Q8_0 product multiplies for the finite activations h (csrc/common/act_quant.h): per group of 4,
+     * rint(v * 2^-e) * 2^e, 2^e the smallest power of two that puts the group's largest |v| below 127.5; groups
+     * below 2^-100 are 0.
+     */
+    private static double[] q8Round(float[] h) {
+        double[] out = new double[h.length];
+        for (int j = 0; j < h.length; j += 4) {
+            float amax = 0f;
+            for (int i = 0; i < 4; i++) {
+                amax = Math.max(amax, Math.abs(h[j + i]));
+            }
+            if (amax < 0x1p-100f) {
+                continue;
+            }
+            int e = Math.getExponent(amax) - 6;  // amax * 2^-e in [64, 128)
+            if (Math.scalb(amax, -e) >= 127.5f) {
+                e++;
+            }
+            for (int i = 0; i < 4; i++) {
+                out[j + i] = Math.scalb(Math.rint(Math.scalb(h[j + i], -e)), e);
+            }
+        }
+        return out;
+    }
+
     /** embedding -> rmsnorm -> Q8_0 matmul -> argmax in one graph, against a double reference. */
     @Test
     public void pipelineMatchesDoubleReference() {
@@ -286,12 +312,16 @@ public class CpuKernelsTest {
             ss += (double) table[token * dim + c] * table[token * dim + c];
         }
         double inv = 1.0 / Math.sqrt(ss / dim + 1e-6f);
+        float[] hn = new float[dim];
+        for (int c = 0; c < dim; c++) {
+            hn[c] = (float) (table[token * dim + c] * inv * normW[c]);
+        }
+        double[] hq = q8Round(hn);  // a Q8_0 product multiplies h's int8 groups
         double[] ref = new double[outRows];
         int best = 0;
         for (int r = 0; r < outRows; r++) {
             for (int c = 0; c < dim; c++) {
-                double hc = table[token * dim + c] * inv * normW[c];
-                ref[r] += codes[r * dim + c] * FP16_VALUES[scaleIdx[r * blocks + c / 32]] * hc;
+                ref[r] += codes[r * dim + c] * FP16_VALUES[scaleIdx[r * blocks + c / 32]] * hq[c];
             }
             if (ref[r] > ref[best]) {
                 best = r;
