@@ -51,12 +51,14 @@ TM_HOST_DEVICE inline float bits_float(uint32_t b) {
   return v;
 #endif
 }
-// rint(v) for |v| <= 127.5 (the current rounding mode on the host: round to nearest, the C default)
-TM_HOST_DEVICE inline int round_code(float v) {
+// The low byte of rint(x * inv) (|x * inv| <= 127.5, inv a power of two, so the product is exact): on the GPU
+// one FFMA with 2^23 + 2^22, whose rounding to an integer is rint's (ties to even) and whose low mantissa byte is
+// that integer's two's complement byte; on the host nearbyint in the default rounding mode (to nearest, even).
+TM_HOST_DEVICE inline uint32_t code_byte(float x, float inv) {
 #if defined(__CUDA_ARCH__)
-  return __float2int_rn(v);
+  return __float_as_uint(__fmaf_rn(x, inv, 12582912.0f)) & 0xFFu;
 #else
-  return static_cast<int>(std::nearbyint(v));
+  return static_cast<uint32_t>(static_cast<int>(std::nearbyint(x * inv))) & 0xFFu;
 #endif
 }
 
@@ -75,10 +77,7 @@ TM_HOST_DEVICE inline Q8Group q8_group(float x0, float x1, float x2, float x3) {
     ++e;
     inv = bits_float(static_cast<uint32_t>(127 - e) << 23);
   }
-  const uint32_t q0 = static_cast<uint32_t>(round_code(x0 * inv)) & 0xFFu;
-  const uint32_t q1 = static_cast<uint32_t>(round_code(x1 * inv)) & 0xFFu;
-  const uint32_t q2 = static_cast<uint32_t>(round_code(x2 * inv)) & 0xFFu;
-  const uint32_t q3 = static_cast<uint32_t>(round_code(x3 * inv)) & 0xFFu;
+  const uint32_t q0 = code_byte(x0, inv), q1 = code_byte(x1, inv), q2 = code_byte(x2, inv), q3 = code_byte(x3, inv);
   return Q8Group{q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), bits_float(static_cast<uint32_t>(127 + e) << 23)};
 }
 
