@@ -159,8 +159,9 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-template <Fmt F, bool V>
-__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
+// XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
+template <Fmt F, bool V, class XT = float>
+__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
@@ -175,9 +176,12 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* 
   }
   const int64_t off = (e * a.ffn + r) * a.row_bytes;
   const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
-  const float* xs[1] = {h + t * h_stride};
+  const XT* xs[1] = {h + t * h_stride};
   float gu[2][1];
-  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+  if constexpr (std::is_same_v<XT, uint8_t>)
+    warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
+  else
+    warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
   if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
 }
 
@@ -426,9 +430,14 @@ __device__ __forceinline__ uint32_t packed_ids(const Pick* list, int64_t top_k) 
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
   return ceil_div(rows, kRowsPerBlock);
 }
-// Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks.
+// Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks, then (16-byte aligned)
+// h's int8 groups in the q8act layout, which a shared block of tiled rows multiplies its rows with.
+__host__ __device__ inline int64_t router_q8_offset(int64_t hidden, int64_t top_k) {
+  return ceil_div((router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick)), 16) *
+         16;
+}
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
-  return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
+  return router_q8_offset(hidden, top_k) + q8act_bytes(hidden);
 }
 
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
@@ -536,8 +545,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #else
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
-    stamp(3);
-    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    if constexpr (fmt_tiled(F)) {  // h's int8 groups once for the block's 8 warps (tiled rows: hidden % 128 == 0)
+      uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
+      store_q8act_vector(hbuf, hq, hidden, kNormThreads);
+      __syncthreads();
+      stamp(3);
+      gate_up_block<F, V>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+    } else {
+      stamp(3);
+      gate_up_block<F, V>(sh, static_cast<const float*>(hbuf), 0, nblocks, p.pair, p.tile);
+    }
 #endif
     stamp_end();
     return;

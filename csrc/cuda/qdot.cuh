@@ -634,16 +634,28 @@ struct NoHook {
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
-// Timing-only bound (wrong results; results/NOTES.md lesson 134): 1 makes the tiled reader's whole groups take
-// int8 activations as if a producer had quantized them (a float scale per 4 values, stored per group as 512 code
-// bytes then 512 scale bytes, read from the float activations' addresses): one DP4A, an exact int-to-float and the
-// scale's two products per 4 codes instead of 14 instructions, and half the activation bytes.
-#ifndef TM_PROBE_Q8_ACT
-#define TM_PROBE_Q8_ACT 0
-#endif
-// A measurement knob (the same bits as the build without it; measured with TM_PROBE_Q8_ACT, lesson 136): the whole
-// batch D batches ahead asked for in L1 (D = 1) or L2 (D = 2), one prefetch per 128-byte line, right after this
-// batch's loads: does a reader with spare issue slots stream better with prefetches (the float reader's lost)?
+// Pre-quantized activations (the tiled reader's XT = uint8_t): a vector of n values as act_quant.h's groups, laid
+// out for the reader's loads. Per 512 values (a reader group: 4 steps of 32 lanes of 4 values) 1024 bytes: lane
+// l's codes of steps u = 0..3 at 16 l + 4 u, then their float scales at 512 + 16 l + 4 u. Group j of the vector
+// (values 4j .. 4j+3) belongs to step s = j / 32, lane j % 32. A short last reader group is stored whole.
+constexpr int kQ8ActGroupBytes = 1024;
+__host__ __device__ constexpr int64_t q8act_bytes(int64_t n) { return (n + 511) / 512 * kQ8ActGroupBytes; }
+// Group j's (codes, scale) into the layout at buf.
+__device__ __forceinline__ void store_q8act(uint8_t* buf, int64_t j, const tm_act::Q8Group& g) {
+  const int64_t s = j >> 5;
+  uint8_t* p = buf + (s >> 2) * kQ8ActGroupBytes + 16 * (j & 31) + 4 * (s & 3);
+  *reinterpret_cast<uint32_t*>(p) = g.codes;
+  *reinterpret_cast<float*>(p + 512) = g.scale;
+}
+// The groups of x[0 .. n) (n a multiple of 4) into buf by the threads of a block (or of its first nthreads), thread
+// i taking groups i, i + nthreads, ...; the caller synchronises before buf is read.
+__device__ __forceinline__ void store_q8act_vector(const float* x, uint8_t* buf, int64_t n, int nthreads) {
+  for (int64_t j = threadIdx.x; j < n / 4; j += nthreads)
+    store_q8act(buf, j, tm_act::q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]));
+}
+// A measurement knob (the same bits): the whole batch D batches ahead asked for in L1 (D = 1) or L2 (D = 2), one
+// prefetch per 128-byte line, right after this batch's loads (results/NOTES.md lesson 136: with int8 activations
+// D = 2 sped the down and slowed the gate-up on the H200).
 #ifndef TM_PROBE_Q8_PF
 #define TM_PROBE_Q8_PF 0
 #endif
@@ -675,9 +687,9 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook, class XT>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
-                                          const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
+                                          const uint8_t* const (&scale)[NR], const XT* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
                                           float (&acc)[NR][NT], const Hook& hook, bool first) {
   using T = Q8TiledTraits;
@@ -737,41 +749,41 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
 #endif
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
-#if TM_PROBE_Q8_ACT
-  if constexpr (Full) {
+  if constexpr (std::is_same_v<XT, uint8_t>) {  // pre-quantized activation groups (q8act layout)
     constexpr int NX = SX ? NT : NR;
 #pragma unroll
     for (int v = 0; v < kGroups; ++v) {
+      const int g = g0 + v;
+      const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
+      if (width == 0) continue;
       uint4 aq[NX];
       float4 as[NX];
 #pragma unroll
-      for (int i = 0; i < NX; ++i) {
-        const uint8_t* xb = reinterpret_cast<const uint8_t*>(xg[i]) + v * 2048 + 16 * lane;
+      for (int i = 0; i < NX; ++i) {  // a short group is stored whole: both loads stay in bounds
+        const uint8_t* xb = xg[i] + v * kQ8ActGroupBytes + 16 * lane;
         aq[i] = *reinterpret_cast<const uint4*>(xb);
         as[i] = *reinterpret_cast<const float4*>(xb + 512);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
+        if (u < width) {
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = c[v][r][u >> 1];
-          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-          const int wq = static_cast<int>(((u & 1) ? cw.y : cw.x) ^ 0x80808080u);
-          const float dw = fp16_bits_to_f32((u & 1) ? sw >> 16 : sw & 0xFFFFu);
+          for (int r = 0; r < NR; ++r) {
+            const uint2 cw = c[v][r][u >> 1];
+            const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+            const typename T::Frag f{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
 #pragma unroll
-          for (int t = 0; t < (SX ? NT : 1); ++t) {
-            const int i = SX ? t : r;
-            const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
-            const float da = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
-            const int si = __dp4a(wq, static_cast<int>(a), 0);
-            const float sf = __fsub_rn(__int_as_float(0x4B400000 + si), 12582912.0f);
-            acc[r][t] = __fmaf_rn(__fmul_rn(dw, da), sf, acc[r][t]);
+            for (int t = 0; t < (SX ? NT : 1); ++t) {
+              const int i = SX ? t : r;
+              const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
+              const float d = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
+              acc[r][t] = T::dot_codes(f, a, d, acc[r][t]);
+            }
           }
         }
       }
     }
   } else {
-#endif
 #pragma unroll
   for (int v = 0; v < kGroups; ++v) {
     const int g = g0 + v;
@@ -790,9 +802,7 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-#if TM_PROBE_Q8_ACT
   }
-#endif
 }
 
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
@@ -807,8 +817,10 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
-__device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+// XT: float activations (quantized step by step, act_quant.h), or uint8_t: the q8act layout's groups of the same
+// values, made once by the kernel that wrote them (the same operands, so the same bits, without the rounding work).
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, class XT = float>
+__device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const XT* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
@@ -824,7 +836,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int NX = SX ? NT : NR;
   const uint8_t* code[NR];
   const uint8_t* scale[NR];
-  const float* xg[NX];
+  const XT* xg[NX];
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     code[r] = w[r] + 16 * lane;
@@ -833,10 +845,11 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
   constexpr int kWStep = TM_PROBE_W_FIXED ? 0 : kGroups * 512, kSStep = TM_PROBE_W_FIXED ? 0 : kGroups * 32;
-  constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
+  // 4 steps x 4 blocks x 32 values per group: 512 floats, or kQ8ActGroupBytes
+  constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * (std::is_same_v<XT, uint8_t> ? kQ8ActGroupBytes : 512);
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
                                                      hook, g0 == 0);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -848,7 +861,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
                                                       hook, g0 == 0);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
@@ -941,6 +954,17 @@ __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const fl
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
     return false;
   }
+}
+
+// warp_dot of tiled rows with pre-quantized activations (xq[.]: the q8act layout of the activation rows, as
+// store_q8act_vector writes it): the bits of warp_dot on the float activations they were made from.
+template <Fmt F, int NR, int NT, bool SX, bool SM = false, class Hook = NoHook>
+__device__ __forceinline__ bool warp_dot_q8act(const uint8_t* const (&w)[NR], const uint8_t* const (&xq)[SX ? NT : NR],
+                                               int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
+  static_assert(fmt_tiled(F), "pre-quantized activations are read by the tiled reader");
+  static_assert(SX || NT == 1, "per-row activations take one token");
+  warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, true, SM, Hook, uint8_t>(w, xq, nblocks, out, hook);
+  return nblocks >= 4;
 }
 
 // A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with
