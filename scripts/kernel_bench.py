@@ -182,7 +182,7 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
             # other inputs, other experts: rows from DRAM
             xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]
-            scratch = torch.zeros(K.router_gate_up_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            scratch = torch.zeros(K.router_gate_up_scratch_words(1, E, H), dtype=torch.int32, device="cuda")
             gate = (gate_inp, gate_sh) if GATE_SH else ()  # the router blocks compute the shared gate (v4q)
             return lambda i: K.router_experts_gate_up(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
@@ -222,7 +222,8 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             sg, su, sd = q8_0(SFFN, H, n), q8_0(SFFN, H, n), q8_0(H, SFFN, n)
             wg, wu, wd = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0], q8_0(E * H, FFN)[0]
             xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]  # other experts each
-            scratch = torch.zeros(K.router_experts_ffn_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            words = K.router_experts_ffn_scratch_words(1, E, H)
+            scratch = torch.zeros(words, dtype=torch.int32, device="cuda")
             return lambda i: K.router_experts_ffn(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], sd[i % n],
                 act_sh, SFFN, gate_inp, gate_sh, wg, wu, wd, act, 1, E, H, TOPK, False, FFN, scratch)

@@ -366,7 +366,7 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
     K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
     assert not any(torch.isnan(t).any() for t in (h, wt, sh, act)) and (ids >= 0).all()
 
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     calls = [n_tokens, 1, n_tokens] if n_tokens > 1 else [1, 1, 1]
     gates = []
@@ -397,13 +397,15 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, 4, device=device)
-    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts) - 1, dtype=torch.int32,
+    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden) - 1, dtype=torch.int32,
                         device=device)
     router = torch.zeros(n_experts, hidden, device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, None, None, w, w, act,
                                  n_tokens, n_experts, hidden, 2, False, 4, short)
-    assert K.router_gate_up_scratch_words(33, 60) == 64 + 4 * 64 + 2 * 33 * 60  # 2 flag groups, tagged logits
+    # 2 flag groups and the tagged logits (rounded up to 16 bytes), then 33 tokens' int8 groups of h
+    assert K.router_gate_up_scratch_words(33, 60, 2048) == 64 + 4 * 64 + 2 * 33 * 60 + 33 * 4 * 256
+    assert K.router_gate_up_scratch_words(1, 3, 600) == 64 + 4 * 32 + 8 + 2 * 256  # 6 logit words padded to 8
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -493,7 +495,7 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
     act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
     ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
     wts = torch.zeros(n_tokens, top_k, device=device)
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
                              gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
@@ -518,7 +520,7 @@ def test_the_shared_gate_comes_from_one_place(device: str) -> None:
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act, gate = torch.zeros(1, 2, 4, device=device), torch.zeros(1, device=device)
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
     with pytest.raises(RuntimeError, match="go together"):
@@ -573,8 +575,8 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
                 poisoned((n_tokens, top_k), device), poisoned((n_tokens, ffn_sh), device),
                 poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device) if gated else None]
 
-    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts)
-    assert words >= K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden)
+    assert words >= K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
 
     def two_launches(scratch: torch.Tensor) -> list:
         x, h, ids, wt, sh, act, gate = out = outputs()
@@ -626,11 +628,12 @@ def test_router_experts_ffn_checks_its_arguments(device: str) -> None:
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, ffn, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
-    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts), dtype=torch.int32, device=device)
+    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
+                        device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, None, None, w, w, w,
                              act, n_tokens, n_experts, hidden, 2, False, ffn, short)
-    scratch = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts), dtype=torch.int32,
+    scratch = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
                           device=device)
     with pytest.raises(RuntimeError, match="go together"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, gate_inp, None, w, w, w,

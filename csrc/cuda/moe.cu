@@ -404,17 +404,22 @@ __host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* g
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
 // 64 bits; its atomics on 256 bytes of their own), then per token the 64-bit ids_ready and h_ready flags, each
-// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each).
+// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each), then from the
+// next 16-byte boundary per token h's int8 groups in qdot.cuh's q8act layout (router block 0 writes them with h,
+// before h_ready: the routed blocks of tiled rows multiply them).
 struct RouterSync {
   unsigned long long* ticket;
   unsigned long long* ids_ready;  // tag << 32 | packed_ids(the token's ids) once they are written
   unsigned long long* h_ready;    // tag << 32: h[t] (and beyond kIdsInFlag slots ids) released
   unsigned long long* logits;     // tag << 32 | the logit's float bits
+  uint8_t* hq;                    // token t's groups at hq + t * q8act_bytes(hidden)
 };
-__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
+__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens, int64_t n_experts) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   auto* flags = reinterpret_cast<unsigned long long*>(scratch + 64);
-  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group};
+  const int64_t hq_word = ceil_div(64 + 4 * group + 2 * n_tokens * n_experts, 4) * 4;
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group,
+                    reinterpret_cast<uint8_t*>(scratch + hq_word)};
 }
 // A token's expert ids in its ids_ready word (8 bits each, slot s at bit 8 s) when they fit: a routed block then
 // has its expert id from the load it polls with. Else (more than 4 slots) the payload is 0 and blocks read ids[].
@@ -440,8 +445,10 @@ __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t t
   return router_q8_offset(hidden, top_k) + q8act_bytes(hidden);
 }
 
+// with_groups: block 0 also stores h's int8 groups (sy.hq) for the routed blocks of tiled rows.
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
-                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
+                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem,
+                                             bool with_groups) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned long long* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
@@ -465,7 +472,9 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   stamp(3);
   if (j != 0) return;
   const bool ids_in_flag = ra.top_k <= kIdsInFlag;
-  __syncthreads();  // block 0's h stored by all its threads: released here, by a warp the top-k does not hold up
+  if (with_groups) store_q8act_vector(hbuf, sy.hq + t * q8act_bytes(hidden), hidden, kNormThreads);
+  __syncthreads();  // block 0's h (and groups) stored by all its threads: released here, by a warp the top-k does
+                    // not hold up
   if (ids_in_flag && warp == 1 && lane == 0) flag_release(sy.h_ready + t, raised, 0);
   if (warp != 0) return;
   TM_TOPK_STAMP(0);
@@ -559,7 +568,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp_end();
     return;
   }
-  const RouterSync sy = router_sync(sync, n_tokens);
+  const RouterSync sy = router_sync(sync, n_tokens, ra.n_experts);
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
@@ -573,7 +582,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp_role(b < router_blocks ? 0 : 2);
   stamp(2);
   if (b < router_blocks) {
-    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem, fmt_tiled(F));
     stamp_end();
     return;
   }
@@ -588,7 +597,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
-  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
+  if constexpr (fmt_tiled(F))
+    gate_up_block<F, V>(rt, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair, p.tile, e);
+  else
+    gate_up_block<F, V>(rt, static_cast<const float*>(h), hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
 
@@ -1079,8 +1091,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                 {"w_router", w_router}, {"weights", weights}, {"gate_inp_sh", gate_inp_sh},
                                 {"gate_sh", gate_sh}})
     TM_TRY(check_f32_alignment(fn, name, p));
-  if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
-    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
+  if (!aligned(scratch, 16))  // the ticket word is one 64-bit atomic; h's groups are read as 16-byte words
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 16-byte aligned", fn);
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,

@@ -242,9 +242,12 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
 
 /* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 4 * (n_tokens rounded up to 32)
  * synchronisation words (a ticket word, then two groups of 64-bit flags, each on 128-byte lines of its own),
- * then n_tokens * n_experts router logits of 64 bits (each tagged with the call). */
-static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return 64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts;
+ * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), rounded up to 4 words, then per
+ * token h's int8 activation groups (256 words per 512 values of hidden: what the routed blocks of Q8_0 rows
+ * multiply, csrc/common/act_quant.h). */
+static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return (64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts + 3) / 4 * 4 +
+         n_tokens * ((hidden + 511) / 512 * 256);
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
@@ -253,7 +256,7 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  *   tm_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens, top_k,
  *                      n_experts, ffn, hidden).
  * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
- * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], 8-byte aligned, all
+ * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden)], 16-byte aligned, all
  * zero before the first call; each call leaves the synchronisation words as the next one continues from them (an
  * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
  * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, where
@@ -308,9 +311,9 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
 
 /* int32 words of the scratch tm_router_experts_ffn needs (it may also serve tm_router_experts_gate_up: they share
  * its epoch word). */
-static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
+static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
   const int64_t own = 2 * (128 + 4 * (int64_t)TM_FFN_MAX_BLOCKS);
-  const int64_t gate_up = tm_router_gate_up_scratch_words(n_tokens, n_experts);
+  const int64_t gate_up = tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden);
   return own > gate_up ? own : gate_up;
 }
 
@@ -322,13 +325,14 @@ static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int6
  *   tm_experts_down_accumulate(qtype, w_down_sh, act_sh, NULL, gate_sh, ffn_sh, w_down, act, ids, weights, h, x,
  *                              n_tokens, top_k, n_experts, hidden, ffn)
  * (every output of both: h, ids, weights, act_sh, gate_sh, act and x). w_down_sh [hidden, ffn_sh] and w_down
- * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts)], as
- * tm_router_experts_gate_up's. When chosen (tm_set_ffn_one_launch or TORNADO_MOE_FFN_ONE_LAUNCH=1; off by
- * default, as it measured slower on the H200), CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED weights with
- * hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE persistent
- * launch on a device with the copy engine's bulk copies (compute capability 9; one block per multiprocessor, whose
- * blocks wait for each other: the device must not be shared with other work that holds multiprocessors, as under
- * MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says which. */
+ * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts,
+ * hidden)], as tm_router_experts_gate_up's. When chosen (tm_set_ffn_one_launch or TORNADO_MOE_FFN_ONE_LAUNCH=1;
+ * off by default, as it measured slower on the H200), CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED
+ * weights with hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE
+ * persistent launch on a device with the copy engine's bulk copies (compute capability 9; one block per
+ * multiprocessor, whose blocks wait for each other: the device must not be shared with other work that holds
+ * multiprocessors, as under MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says
+ * which. */
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
                                  const float* w_router, int32_t* ids, float* weights, int qtype,
                                  const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,

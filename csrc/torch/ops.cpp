@@ -329,7 +329,7 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                                                    n_tokens, top_k, n_experts, ffn, hidden);
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
-  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts));
+  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
                                     r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
@@ -353,7 +353,7 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p =
-      a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts));
+      a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts, hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_ffn(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
                                 static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, ds_p, g.act_sh, ffn_sh, gi_p, gs_p,
@@ -361,8 +361,8 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
                                 ffn, sc_p, as_stream(stream)));
 }
 
-int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return tm_router_experts_ffn_scratch_words(n_tokens, n_experts);
+int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return tm_router_experts_ffn_scratch_words(n_tokens, n_experts, hidden);
 }
 
 int64_t router_experts_ffn_launches(bool cuda, int64_t qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
@@ -377,8 +377,8 @@ int64_t attention_scratch_words(int64_t n_tokens, int64_t n_heads, int64_t head_
   return tm_attention_scratch_words(n_tokens, n_heads, head_dim);
 }
 
-int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return tm_router_gate_up_scratch_words(n_tokens, n_experts);
+int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden);
 }
 
 void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
@@ -542,9 +542,9 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
   m.def("set_ffn_one_launch(int on) -> ()", &set_ffn_one_launch);
   m.def("version() -> str", &version);
-  m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
+  m.def("router_gate_up_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_gate_up_scratch_words);
   m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
-  m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts) -> int", &router_experts_ffn_scratch_words);
+  m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_experts_ffn_scratch_words);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
         "int ffn_sh, int ffn) -> int",
         &router_experts_ffn_launches);

@@ -81,7 +81,7 @@ class Activations:
         self.expert_weights = torch.zeros(T, k, **f32)
         # router_experts_gate_up's and router_experts_ffn's sync words (zero at first; each call leaves them
         # for the next) and logits
-        words = tm_ops.router_experts_ffn_scratch_words(T, max(cfg.n_experts, 1))
+        words = tm_ops.router_experts_ffn_scratch_words(T, max(cfg.n_experts, 1), cfg.hidden)
         self.router_scratch = torch.zeros(words, **i32)
         self.act = torch.zeros(T, k, max(cfg.expert_ffn, 1), **f32)
         ffn_dense = cfg.shared_ffn or cfg.dense_ffn

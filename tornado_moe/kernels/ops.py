@@ -371,20 +371,21 @@ def router_experts_gate_up(
     scratch: torch.Tensor,
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
-    stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
-    elements, zero before the first call (each call leaves the synchronisation words for the next to continue
-    from, whatever its token count; the rest holds the router logits); calls sharing it must not overlap, and
-    nothing else may write it. With the shared expert's gate row ``gate_inp_sh`` it also writes
-    ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32 [n_tokens]), the factor experts_down_accumulate then
-    reads instead of computing it in each of its blocks."""
+    stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts,
+    hidden)`` elements, 16-byte aligned, zero before the first call (each call leaves the synchronisation
+    words for the next to continue from, whatever its token count; the rest holds the router logits and h's
+    int8 groups); calls sharing it must not overlap, and nothing else may write it. With the shared expert's gate
+    row ``gate_inp_sh`` it also writes ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32 [n_tokens]), the
+    factor experts_down_accumulate then reads instead of computing it in each of its blocks."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                   n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(act))
 
 
-def router_gate_up_scratch_words(n_tokens: int, n_experts: int) -> int:
-    """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts."""
-    return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts))
+def router_gate_up_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
+    """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts (and h's
+    int8 groups, of ``hidden`` values a token)."""
+    return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts, hidden))
 
 
 def router_experts_ffn(
@@ -420,15 +421,15 @@ def router_experts_ffn(
     by default, as it measured slower on the H200), a decode step (``n_tokens == 1``, tiled Q8_0) on an sm_90
     GPU is ONE persistent launch whose weights stream through shared memory while the router runs (see
     ``router_experts_ffn_launches``). ``scratch``: int32, ``router_experts_ffn_scratch_words(n_tokens,
-    n_experts)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
+    n_experts, hidden)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
     _ops().router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                               w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act,
                               n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(x))
 
 
-def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int) -> int:
+def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
     """int32 elements of the scratch router_experts_ffn needs (enough for router_experts_gate_up too)."""
-    return int(_ops().router_experts_ffn_scratch_words(n_tokens, n_experts))
+    return int(_ops().router_experts_ffn_scratch_words(n_tokens, n_experts, hidden))
 
 
 def router_experts_ffn_launches(device: torch.device | str, qtype: int, n_tokens: int, n_experts: int,
