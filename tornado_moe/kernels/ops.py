@@ -376,7 +376,8 @@ def router_experts_gate_up(
     words for the next to continue from, whatever its token count; the rest holds the router logits and h's
     int8 groups); calls sharing it must not overlap, and nothing else may write it. With the shared expert's
     gate row ``gate_inp_sh`` it also writes ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32
-    [n_tokens]), the factor experts_down_accumulate then reads instead of computing it in each of its blocks."""
+    [n_tokens]), the factor experts_down_accumulate then reads instead of computing it in each of its
+    blocks."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                   n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(act))
