@@ -403,9 +403,10 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, None, None, w, w, act,
                                  n_tokens, n_experts, hidden, 2, False, 4, short)
-    # 2 flag groups and the tagged logits (rounded up to 16 bytes), then 33 tokens' int8 groups of h
-    assert K.router_gate_up_scratch_words(33, 60, 2048) == 64 + 4 * 64 + 2 * 33 * 60 + 33 * 4 * 256
-    assert K.router_gate_up_scratch_words(1, 3, 600) == 64 + 4 * 32 + 8 + 2 * 256  # 6 logit words padded to 8
+    # 2 flag groups and the tagged logits, past router_experts_ffn's words (2 * (128 + 4 * 1024)) and on a
+    # 16-byte boundary, then each token's int8 groups of h (256 words per 512 values)
+    assert K.router_gate_up_scratch_words(33, 60, 2048) == 8448 + 33 * 4 * 256
+    assert K.router_gate_up_scratch_words(1000, 10, 600) == 64 + 4 * 1024 + 2 * 1000 * 10 + 1000 * 2 * 256
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -620,15 +621,15 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_router_experts_ffn_checks_its_arguments(device: str) -> None:
-    """A scratch too short for it (one router_experts_gate_up would take) and a gate row without its output
-    are errors; GGUF-layout rows are run as the two launches on a GPU."""
+    """A scratch one word short and a gate row without its output are errors; GGUF-layout rows are run as the
+    two launches on a GPU."""
     n_tokens, n_experts, hidden, ffn = 1, 4, 256, 128
     w = torch.zeros(n_experts * hidden * 4, 34, dtype=torch.uint8, device=device)
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, ffn, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
-    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
+    short = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden) - 1, dtype=torch.int32,
                         device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, None, None, w, w, w,

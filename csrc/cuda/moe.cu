@@ -404,9 +404,9 @@ __host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* g
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
 // 64 bits; its atomics on 256 bytes of their own), then per token the 64-bit ids_ready and h_ready flags, each
-// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each), then from the
-// next 16-byte boundary per token h's int8 groups in qdot.cuh's q8act layout (router block 0 writes them with h,
-// before h_ready: the routed blocks of tiled rows multiply them).
+// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each), then from
+// tm_router_gate_up_groups_word per token h's int8 groups in qdot.cuh's q8act layout (router block 0 writes them
+// with h, before h_ready: the routed blocks of tiled rows multiply them).
 struct RouterSync {
   unsigned long long* ticket;
   unsigned long long* ids_ready;  // tag << 32 | packed_ids(the token's ids) once they are written
@@ -414,12 +414,12 @@ struct RouterSync {
   unsigned long long* logits;     // tag << 32 | the logit's float bits
   uint8_t* hq;                    // token t's groups at hq + t * q8act_bytes(hidden)
 };
-__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens, int64_t n_experts) {
+// h_groups: the scratch at tm_router_gate_up_groups_word (the launcher computes it: the header is host code).
+__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, uint8_t* h_groups, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   auto* flags = reinterpret_cast<unsigned long long*>(scratch + 64);
-  const int64_t hq_word = ceil_div(64 + 4 * group + 2 * n_tokens * n_experts, 4) * 4;
   return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group,
-                    reinterpret_cast<uint8_t*>(scratch + hq_word)};
+                    h_groups};
 }
 // A token's expert ids in its ids_ready word (8 bits each, slot s at bit 8 s) when they fit: a routed block then
 // has its expert id from the load it polls with. Else (more than 4 slots) the payload is 0 and blocks read ids[].
@@ -516,7 +516,8 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
-                                  float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
+                                  float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync,
+                                  uint8_t* h_groups) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket, s_raised;
@@ -568,7 +569,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp_end();
     return;
   }
-  const RouterSync sy = router_sync(sync, n_tokens, ra.n_experts);
+  const RouterSync sy = router_sync(sync, h_groups, n_tokens);
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
@@ -1125,6 +1126,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);
+  uint8_t* h_groups = reinterpret_cast<uint8_t*>(sync + tm_router_gate_up_groups_word(n_tokens, n_experts));
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
@@ -1132,7 +1134,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
     return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
                   dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
-                  hidden, nblocks, sync);
+                  hidden, nblocks, sync, h_groups);
   });
 }
 

@@ -240,14 +240,25 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
                               int64_t ffn, int64_t hidden, void* stream);
 
+/* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
+#define TM_FFN_MAX_BLOCKS 1024
+
+/* The int32 word where tm_router_experts_gate_up's scratch holds h's int8 activation groups (what its routed
+ * blocks of Q8_0 rows multiply, csrc/common/act_quant.h): past its synchronisation words and logits, and past the
+ * words tm_router_experts_ffn keeps in a scratch they share (its flags carry epochs: no group may pass for one),
+ * on a 16-byte boundary. */
+static inline int64_t tm_router_gate_up_groups_word(int64_t n_tokens, int64_t n_experts) {
+  const int64_t gate_up = 64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts;
+  const int64_t ffn = 2 * (128 + 4 * (int64_t)TM_FFN_MAX_BLOCKS);
+  return ((gate_up > ffn ? gate_up : ffn) + 3) / 4 * 4;
+}
+
 /* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 4 * (n_tokens rounded up to 32)
  * synchronisation words (a ticket word, then two groups of 64-bit flags, each on 128-byte lines of its own),
- * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), rounded up to 4 words, then per
- * token h's int8 activation groups (256 words per 512 values of hidden: what the routed blocks of Q8_0 rows
- * multiply, csrc/common/act_quant.h). */
+ * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), then from
+ * tm_router_gate_up_groups_word per token h's int8 groups (256 words per 512 values of hidden). */
 static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
-  return (64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts + 3) / 4 * 4 +
-         n_tokens * ((hidden + 511) / 512 * 256);
+  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * ((hidden + 511) / 512 * 256);
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
@@ -306,8 +317,6 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
                                       float* x, const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
                                       int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
 
-/* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
-#define TM_FFN_MAX_BLOCKS 1024
 
 /* int32 words of the scratch tm_router_experts_ffn needs (it may also serve tm_router_experts_gate_up: they share
  * its epoch word). */
