@@ -629,13 +629,12 @@ def test_router_experts_ffn_checks_its_arguments(device: str) -> None:
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, ffn, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
-    short = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden) - 1, dtype=torch.int32,
-                        device=device)
+    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden)
+    short = torch.zeros(words - 1, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, None, None, w, w, w,
                              act, n_tokens, n_experts, hidden, 2, False, ffn, short)
-    scratch = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
-                          device=device)
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="go together"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, gate_inp, None, w, w, w,
                              act, n_tokens, n_experts, hidden, 2, False, ffn, scratch)
