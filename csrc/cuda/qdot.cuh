@@ -749,6 +749,12 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
 #endif
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
+  // row r's fragment of step (g0 + v) * 4 + u: Q8_0's step, operand for operand
+  const auto frag = [&](int v, int r, int u) {
+    const uint2 cw = c[v][r][u >> 1];
+    const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+    return typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
+  };
   if constexpr (std::is_same_v<XT, uint8_t>) {  // pre-quantized activation groups (q8act layout)
     constexpr int NX = SX ? NT : NR;
 #pragma unroll
@@ -769,9 +775,7 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
         if (u < width) {
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
-            const uint2 cw = c[v][r][u >> 1];
-            const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-            const typename T::Frag f{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
+            const typename T::Frag f = frag(v, r, u);
 #pragma unroll
             for (int t = 0; t < (SX ? NT : 1); ++t) {
               const int i = SX ? t : r;
@@ -783,25 +787,21 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
         }
       }
     }
-  } else {
+  } else {  // float activations, quantized step by step
 #pragma unroll
-  for (int v = 0; v < kGroups; ++v) {
-    const int g = g0 + v;
-    const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
+    for (int v = 0; v < kGroups; ++v) {
+      const int g = g0 + v;
+      const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (u < width) {
-        typename T::Frag f[NR];  // step g * 4 + u: Q8_0's step, operand for operand
+      for (int u = 0; u < 4; ++u) {
+        if (u < width) {
+          typename T::Frag f[NR];
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = c[v][r][u >> 1];
-          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-          f[r] = typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
+          for (int r = 0; r < NR; ++r) f[r] = frag(v, r, u);
+          dot_step<T, NR, NT, SX, V>(acc, f, xg, (v * 4 + u) * 4 + sub, part);
         }
-        dot_step<T, NR, NT, SX, V>(acc, f, xg, (v * 4 + u) * 4 + sub, part);
       }
     }
-  }
   }
 }
 
@@ -849,8 +849,8 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * (std::is_same_v<XT, uint8_t> ? kQ8ActGroupBytes : 512);
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                     hook, g0 == 0);
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales,
+                                                               lane, acc, hook, g0 == 0);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       code[r] += kWStep;
@@ -861,8 +861,8 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                      hook, g0 == 0);
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales,
+                                                                lane, acc, hook, g0 == 0);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -959,8 +959,9 @@ __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const fl
 // warp_dot of tiled rows with pre-quantized activations (xq[.]: the q8act layout of the activation rows, as
 // store_q8act_vector writes it): the bits of warp_dot on the float activations they were made from.
 template <Fmt F, int NR, int NT, bool SX, bool SM = false, class Hook = NoHook>
-__device__ __forceinline__ bool warp_dot_q8act(const uint8_t* const (&w)[NR], const uint8_t* const (&xq)[SX ? NT : NR],
-                                               int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
+__device__ __forceinline__ bool warp_dot_q8act(const uint8_t* const (&w)[NR],
+                                               const uint8_t* const (&xq)[SX ? NT : NR], int64_t nblocks,
+                                               float (&out)[NR][NT], const Hook& hook = Hook{}) {
   static_assert(fmt_tiled(F), "pre-quantized activations are read by the tiled reader");
   static_assert(SX || NT == 1, "per-row activations take one token");
   warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, true, SM, Hook, uint8_t>(w, xq, nblocks, out, hook);

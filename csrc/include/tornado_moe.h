@@ -267,9 +267,9 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  *   tm_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens, top_k,
  *                      n_experts, ffn, hidden).
  * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
- * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden)], 16-byte aligned, all
- * zero before the first call; each call leaves the synchronisation words as the next one continues from them (an
- * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
+ * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden)], 16-byte
+ * aligned, all zero before the first call; each call leaves the synchronisation words as the next one continues
+ * from them (an epoch; the logits and h's groups are work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
  * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, where
  * the grid would exceed the device's limits, or for a step of several tokens that tm_experts_gate_up runs as grouped
  * GEMMs, CUDA makes the two calls above instead (the same bits; the scratch is not touched). The CPU always does.

@@ -133,7 +133,7 @@ class ReferenceModel:
             self.q8_keys.append({key for key, t in tensors.items() if q8(t)})
 
     def _mm(self, i: int, key: str, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for layer i's weight ``key`` (an expert's slice when W is 2-D in ``w``)."""
+        """x @ W.T for layer i's 2-D weight ``key``, x as the kernels multiply it (:meth:`_act`)."""
         return self._act(i, key, x) @ self.layers[i][key].T
 
     def _act(self, i: int, key: str, x: torch.Tensor) -> torch.Tensor:
@@ -193,6 +193,7 @@ class ReferenceModel:
         c, L = self.config, self.layers[i]
         h = rmsnorm(x, L["ffn_norm"], c.rms_eps)
         silu = torch.nn.functional.silu
+
         def ffn(gate: str, up: str, down: str) -> torch.Tensor:
             return self._mm(i, down, silu(self._mm(i, gate, h)) * self._mm(i, up, h))
 
