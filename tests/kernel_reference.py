@@ -15,7 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tornado_moe.quant.tiled import Q8_0_TILED
-from tornado_moe.reference.model64 import q8_round, rmsnorm, rope, route_topk
+from tornado_moe.reference.model64 import q8_groups, q8_round, rmsnorm, rope, route_topk
 
 __all__ = [
     "K_QTYPES",
@@ -90,6 +90,27 @@ def dot_input(x: torch.Tensor, qtype: int) -> torch.Tensor:
     kernels'), x itself for every other type."""
     x = x.detach().cpu()
     return (q8_round(x.float()) if qtype in Q8_ACT_QTYPES else x).to(F64)
+
+
+def act_groups(x: torch.Tensor) -> torch.Tensor:
+    """The bytes a producer writes for the int8 groups of the rows of ``x`` (float32 [..., n], n a multiple of
+    4): tornado_moe.h's layout, written out here from model64.q8_groups. Per 512 values 1024 bytes; group j
+    (values 4j .. 4j+3) is step j // 32 of lane j % 32: its 4 codes (int8) at 16 lane + 4 (step % 4) of block
+    j // 128, its float32 scale 512 bytes further. Bytes a short last block does not use stay 0 (as in a
+    buffer that started zeroed)."""
+    x = x.detach().cpu().float()
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    codes, scale = q8_groups(rows)  # [R, G, 4], [R, G, 1]
+    out = np.zeros((rows.shape[0], (n + 511) // 512 * 1024), dtype=np.uint8)
+    j = np.arange(n // 4)
+    off = (j // 128) * 1024 + 16 * (j % 32) + 4 * ((j // 32) % 4)
+    code_bytes = codes.numpy().astype(np.int8).view(np.uint8)  # [R, G, 4]
+    scale_bytes = scale.numpy().astype(np.float32).view(np.uint8)  # [R, G, 4]
+    for b in range(4):
+        out[:, off + b] = code_bytes[:, :, b]
+        out[:, off + 512 + b] = scale_bytes[:, :, b]
+    return torch.from_numpy(out).reshape(*x.shape[:-1], -1)
 
 
 def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -513,6 +513,95 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_tokens,n_experts", [(1, 60), (3, 8), (1, 70)])  # 70: the router's own launches
+def test_int8_groups_pass_from_gate_up_to_down_to_qkv_as_the_rounded_floats(device: str, n_tokens: int,
+                                                                            n_experts: int) -> None:
+    """The decode chain's int8 activation groups: router_experts_gate_up writes act_sh's and act's groups
+    beside them, experts_down_accumulate reads those instead of rounding the floats and writes xw's groups,
+    qkv_rope reads those. Every group buffer must hold the bytes of kernel_reference.act_groups (model64's
+    groups, laid out as tornado_moe.h says) of the floats written beside it, and every result must be the bits
+    of the same call without groups (one launch, the grouped prefill path, the router's own launches).
+    ffn = 1408 and ffn_sh = 640: short last blocks of the layout."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    top_k, ffn_sh, ffn, hidden, n_heads, hd = 4, 640, 1408, 256, 4, 32
+    rng = np.random.default_rng(37)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        return tile_q8_0(ref.make_weights(rng, shape, 8, 0.1)[0].to(device), shape[-1])
+
+    def groups(*shape: int) -> torch.Tensor:  # zeroed, as the engine allocates them
+        return torch.zeros(*shape[:-1], K.act_groups_bytes(shape[-1]), dtype=torch.uint8, device=device)
+
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    wd_sh, wd = weights((hidden, ffn_sh)), weights((n_experts, hidden, ffn))
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    next_w = randn(rng, (hidden,), device)
+    w_router, gate_inp = randn(rng, (n_experts, hidden), device, 0.05), randn(rng, (hidden,), device, 0.05)
+    h, act_sh = poisoned((n_tokens, hidden), device), poisoned((n_tokens, ffn_sh), device)
+    act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
+    ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
+    wts = torch.zeros(n_tokens, top_k, device=device)
+    scratch = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
+                          device=device)
+    act_sh_q, act_q = groups(n_tokens, ffn_sh), groups(n_tokens, top_k, ffn)
+    K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
+                             gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
+                             scratch, act_sh_q, act_q)
+    assert not torch.isnan(act_sh).any() and not torch.isnan(act).any()
+    assert torch.equal(act_sh_q.cpu(), ref.act_groups(act_sh))
+    assert torch.equal(act_q.cpu(), ref.act_groups(act))
+
+    x0 = randn(rng, (n_tokens, hidden), device)
+    outs = []
+    for given in ((None, None, None), (act_sh_q, act_q, groups(n_tokens, hidden))):
+        xo, xw = x0.clone(), poisoned((n_tokens, hidden), device)
+        xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, None, gate_sh, ffn_sh, wd, act, ids, wts, None,
+                                  xo, next_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn, *given)
+        outs.append((xo, xw, xss, given[2]))
+    (xo, xw, xss, _), (xo_q, xw_q, xss_q, xw_groups) = outs
+    assert not torch.isnan(xo).any() and not torch.equal(xo, x0)
+    assert torch.equal(xo_q, xo) and torch.equal(xw_q, xw) and torch.equal(xss_q, xss)
+    assert torch.equal(xw_groups.cpu(), ref.act_groups(xw))
+
+    wq, wk, wv = (weights((n * hd, hidden)) for n in (n_heads, n_heads, n_heads))
+    pos, max_ctx = torch.tensor([2], dtype=torch.int32, device=device), 2 + n_tokens
+    qkv = []
+    for xw_given in (None, xw_groups):
+        q = poisoned((n_tokens, n_heads * hd), device)
+        kc, vc = poisoned((max_ctx, n_heads * hd), device), poisoned((max_ctx, n_heads * hd), device)
+        K.qkv_rope(Q8_0_TILED, xo, xw, xss, next_w, 1e-6, wq, wk, wv, None, None, None, q, kc, vc, pos,
+                   n_tokens, hidden, n_heads, n_heads, hd, max_ctx, 1e6, True, xw_given)
+        qkv.append((q, kc[2:], vc[2:]))
+    assert not torch.isnan(qkv[0][0]).any()
+    assert all(torch.equal(a, b) for a, b in zip(*qkv, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_groups_go_with_their_floats(device: str) -> None:
+    """Group buffers are checked: given with the floats they belong to, both halves' or neither, 16-byte
+    aligned."""
+    n_tokens, n_experts, hidden, ffn = 1, 4, 32, 32
+    w = torch.zeros(n_experts * ffn, 34, dtype=torch.uint8, device=device)
+    x = torch.ones(n_tokens, hidden, device=device)
+    act_sh, act = torch.zeros(n_tokens, ffn, device=device), torch.zeros(n_tokens, 2, ffn, device=device)
+    ids = torch.zeros(n_tokens, 2, dtype=torch.int32, device=device)
+    wt = torch.ones(n_tokens, 2, device=device)
+    q = torch.zeros(n_tokens, 2, K.act_groups_bytes(ffn) + 16, dtype=torch.uint8, device=device)
+    q_sh = torch.zeros(n_tokens, K.act_groups_bytes(ffn) + 16, dtype=torch.uint8, device=device)
+    down = (8, w, act_sh, None, None, ffn, w, act, ids, wt, None, x, None, None, None, n_tokens, 2, n_experts,
+            hidden, ffn)
+    with pytest.raises(RuntimeError, match="together or neither"):
+        K.experts_down_accumulate(*down, q_sh, None, None)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        K.experts_down_accumulate(*down, q_sh.view(-1)[8:], q, None)
+    with pytest.raises(RuntimeError, match="'xw_groups' goes with 'xw'"):
+        K.experts_down_accumulate(*down, None, None, q_sh)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_shared_gate_comes_from_one_place(device: str) -> None:
     """The router's gate row and its output go together; the down takes its gate from gate_inp_sh or from
     gate_sh, not both."""

@@ -86,7 +86,27 @@ TM_HOST_DEVICE inline int group_code(uint32_t codes, int i) {
   return static_cast<int>(static_cast<int8_t>(static_cast<uint8_t>(codes >> (8 * i))));
 }
 
+// The groups' layout in memory, the one the GPU's tiled Q8_0 reader loads (two 16-byte words a lane a reader
+// group): per 512 values (4 steps of 32 lanes of 4 values) 1024 bytes, lane l's codes of steps u = 0..3 at
+// 16 l + 4 u, then their float scales at 512 + 16 l + 4 u. Group j (values 4j .. 4j+3) belongs to step s = j / 32,
+// lane j % 32. A short last block of 512 values takes its whole 1024 bytes. (tm_act_groups_bytes in tornado_moe.h.)
+constexpr int kGroupBlockBytes = 1024;
+TM_HOST_DEVICE constexpr int64_t groups_bytes(int64_t n) { return (n + 511) / 512 * kGroupBlockBytes; }
+// Byte offset of group j's codes (its scale at + 512).
+TM_HOST_DEVICE constexpr int64_t group_offset(int64_t j) {
+  return (j >> 7) * kGroupBlockBytes + 16 * (j & 31) + 4 * ((j >> 5) & 3);
+}
+
 #if !defined(__CUDA_ARCH__)
+// The groups of x[0 .. n) (n a multiple of 4) in the layout above at buf.
+inline void store_groups(const float* x, uint8_t* buf, int64_t n) {
+  for (int64_t j = 0; j < n / 4; ++j) {
+    const Q8Group g = q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
+    std::memcpy(buf + group_offset(j), &g.codes, 4);
+    std::memcpy(buf + group_offset(j) + 512, &g.scale, 4);
+  }
+}
+
 // The values the groups of x[0 .. n) stand for (n a multiple of 4), into out (may be x): what a Q8_0 dot product
 // multiplies (the CPU kernels round their activations with this, then take their float dot products).
 inline void q8_round(const float* x, float* out, int64_t n) {

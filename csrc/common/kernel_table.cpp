@@ -66,14 +66,14 @@ const KernelRow kKernels[] = {
                                 i64(a[8]), i64(a[9]), i64(a[10]), f32(a[11]), i32(a[12]), s);
      },
      0},
-    {"qkv_rope", "qpnnpfpppnnnppppiiiiiifb",
+    {"qkv_rope", "qpnnpfpppnnnppppiiiiiifbn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_qkv_rope(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
                           ptr<const float>(a[4]), f32(a[5]), ptr<const void>(a[6]), ptr<const void>(a[7]),
                           ptr<const void>(a[8]), ptr<const float>(a[9]), ptr<const float>(a[10]),
                           ptr<const float>(a[11]), ptr<float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
                           ptr<const int32_t>(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]),
-                          i64(a[21]), f32(a[22]), i32(a[23]), s);
+                          i64(a[21]), f32(a[22]), i32(a[23]), ptr<const uint8_t>(a[24]), s);
      },
      0},
     {"attention", "pppppiiiiip",
@@ -111,7 +111,7 @@ const KernelRow kKernels[] = {
                                  i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibip",
+    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibipnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_experts_gate_up(d, ptr<const float>(a[0]), ptr<const float>(a[1]), f32(a[2]),
                                         ptr<float>(a[3]), ptr<const float>(a[4]), ptr<int32_t>(a[5]),
@@ -119,7 +119,7 @@ const KernelRow kKernels[] = {
                                         ptr<float>(a[10]), i64(a[11]), ptr<const float>(a[12]), ptr<float>(a[13]),
                                         ptr<const void>(a[14]), ptr<const void>(a[15]), ptr<float>(a[16]),
                                         i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]), i32(a[21]), i64(a[22]),
-                                        ptr<int32_t>(a[23]), s);
+                                        ptr<int32_t>(a[23]), ptr<uint8_t>(a[24]), ptr<uint8_t>(a[25]), s);
      },
      0},
     {"router_experts_ffn", "ppfppppqppppinnppppiiiibip",
@@ -141,14 +141,16 @@ const KernelRow kKernels[] = {
                                      i64(a[11]), i64(a[12]), i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"experts_down_accumulate", "qppnnipppnnpnnniiiii",
+    {"experts_down_accumulate", "qppnnipppnnpnnniiiiinnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_experts_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),
                                          ptr<const float>(a[3]), ptr<const float>(a[4]), i64(a[5]),
                                          ptr<const void>(a[6]), ptr<const float>(a[7]), ptr<const int32_t>(a[8]),
                                          ptr<const float>(a[9]), ptr<const float>(a[10]), ptr<float>(a[11]),
                                          ptr<const float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
-                                         i64(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), s);
+                                         i64(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]),
+                                         ptr<const uint8_t>(a[20]), ptr<const uint8_t>(a[21]), ptr<uint8_t>(a[22]),
+                                         s);
      },
      0},
     {"argmax", "ppii",

@@ -139,6 +139,8 @@ struct GateUpArgs {
   const int32_t* ids;  // nullptr: expert 0 (a shared expert or dense FFN)
   float* act;
   int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
+  uint8_t* act_q;  // nullable: act's int8 groups too (qdot.cuh's q8act layout, act_q_stride bytes a slot row)
+  int64_t act_q_stride;
 };
 // A slot's expert id (no ids: expert 0) and routing weight (no weights: 1), as a launch's arguments hold them.
 template <class Args>
@@ -148,6 +150,23 @@ __device__ __forceinline__ int64_t slot_expert(const Args& a, int64_t slot) {
 template <class Args>
 __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
   return a.weights != nullptr ? a.weights[slot] : 1.0f;
+}
+
+// The int8 groups of a block's kRowsPerBlock consecutive values (warp w's lane 0 holds value w, row tile * 8 + w
+// of a row of n values, n a multiple of 4): two groups of the row's q8act layout at buf, written by warp 0 after a
+// barrier of the whole block (every warp of the block calls it). The consumer (the down) reads them instead of
+// rounding the floats itself: the same groups, made once.
+__device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t tile, int64_t n, float v) {
+  static_assert(kRowsPerBlock == 8, "a block's rows are two groups");
+  __shared__ float s_vals[kRowsPerBlock];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) s_vals[warp] = v;
+  __syncthreads();
+  const int64_t j = static_cast<int64_t>(tile) * 2 + lane;  // the group of rows 4j .. 4j + 3
+  if (warp == 0 && lane < 2 && 4 * j < n) {
+    const float* q = s_vals + 4 * lane;
+    store_q8act(buf, j, tm_act::q8_group(q[0], q[1], q[2], q[3]));
+  }
 }
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
@@ -160,29 +179,31 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
 // XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
+// With a.act_q the block also stores its rows' int8 groups (store_block_act_groups: the whole block calls this).
 template <Fmt F, bool V, class XT = float>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
-  if (r >= a.ffn) return;
+  const bool row = r < a.ffn;
+  if (!row && a.act_q == nullptr) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : slot_expert(a, slot);
-  float* o = a.act + slot * a.ffn + r;
-  if (e < 0 || e >= a.n_experts) {
-    if (lane == 0) *o = kNaN;
-    return;
+  float v = kNaN;  // an expert id out of range gives NaN rows
+  if (row && e >= 0 && e < a.n_experts) {
+    const int64_t off = (e * a.ffn + r) * a.row_bytes;
+    const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
+    const XT* xs[1] = {h + t * h_stride};
+    float gu[2][1];
+    if constexpr (std::is_same_v<XT, uint8_t>)
+      warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
+    else
+      warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+    v = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   }
-  const int64_t off = (e * a.ffn + r) * a.row_bytes;
-  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
-  const XT* xs[1] = {h + t * h_stride};
-  float gu[2][1];
-  if constexpr (std::is_same_v<XT, uint8_t>)
-    warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
-  else
-    warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
-  if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
+  if (row && lane == 0) a.act[slot * a.ffn + r] = v;
+  if (a.act_q != nullptr) store_block_act_groups(a.act_q + slot * a.act_q_stride, tile, a.ffn, v);
 }
 
 // The gate-up kernels on tiled Q8_0 rows: 4 blocks per SM (<= 64 registers; results/NOTES.md lesson 6: occupancy
@@ -611,19 +632,26 @@ struct DownArgs {
   const int32_t* ids;
   const float* weights;
   int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
+  const uint8_t* act_q;  // nullable: act's int8 groups as the gate-up stored them (q8act layout), act_q_stride
+  int64_t act_q_stride;  // bytes a slot row; read by the Q instantiations instead of act
 };
+// The down's L2 prefetch distance when it reads int8 groups (qdot.cuh's PF; results/NOTES.md lesson 136).
+#ifndef TM_DOWN_PF
+#define TM_DOWN_PF 2
+#endif
 
 // The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
 // activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
 // id out of range).
-// SM: the row (NR = 1) is the copy `row_copy` in shared memory.
-template <Fmt F, int NR, bool V, bool SM = false>
+// SM: the row (NR = 1) is the copy `row_copy` in shared memory. Q: the activations are a.act_q's groups.
+template <Fmt F, int NR, bool V, bool SM = false, bool Q = false>
 __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
                                           float gate, float (&d)[NR][1], float (&w_eff)[NR],
                                           const uint8_t* row_copy = nullptr) {
   static_assert(!SM || NR == 1, "one row copy");
   const uint8_t* wr[NR];
   const float* xs[NR];
+  const uint8_t* xq[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     const int64_t slot = t * a.top_k + s + i;
@@ -632,11 +660,15 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     if (bad) e = 0;
     wr[i] = SM ? row_copy : a.w_down + (e * a.hidden + r) * a.row_bytes;
     xs[i] = a.act + slot * a.ffn;
+    xq[i] = a.act_q + slot * a.act_q_stride;
     float w = slot_weight(a, slot);
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  warp_dot<F, NR, 1, false, V, SM>(wr, xs, a.nblocks, d);
+  if constexpr (Q)
+    warp_dot_q8act<F, NR, 1, false, SM, TM_DOWN_PF>(wr, xq, a.nblocks, d);
+  else
+    warp_dot<F, NR, 1, false, V, SM>(wr, xs, a.nblocks, d);
 }
 
 // acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
@@ -699,7 +731,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // register allocation. rb is ra + 1, or ra itself at the last row of an odd hidden size (computed twice, stored
 // once). The slot's id is read before the dot and its weight after it (loading both ahead measured slower on the
 // H100: results/NOTES.md lesson 121).
-template <Fmt F, bool V>
+template <Fmt F, bool V, bool Q>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
                                               float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
@@ -708,8 +740,13 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
-  const float* xs[1] = {a.act + slot * a.ffn};
-  warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
+  if constexpr (Q) {
+    const uint8_t* xq[1] = {a.act_q + slot * a.act_q_stride};
+    warp_dot_q8act<F, 2, 1, true, false, TM_DOWN_PF>(wr, xq, a.nblocks, d);
+  } else {
+    const float* xs[1] = {a.act + slot * a.ffn};
+    warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
+  }
   w_eff = bad ? kNaN : slot_weight(a, slot);
 }
 
@@ -751,26 +788,49 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
 }
 
 // xw = x * w and x's group sums xss over [n_tokens, hidden] (the two-launch form's; norm.cuh's operations, so the
-// fused kernel's bits): one thread a group.
+// fused kernel's bits), and with xw_q xw's int8 groups: one thread a group.
 __global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const float* __restrict__ w, float* xw,
-                                                          float* xss, int64_t n_tokens, int64_t hidden) {
+                                                          float* xss, uint8_t* xw_q, int64_t n_tokens,
+                                                          int64_t hidden) {
+  static_assert(kNormGroup == 4, "a norm group is one int8 group");
   pdl_begin();
   const int64_t groups = norm_groups(hidden);
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_tokens * groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = k / groups, g = k % groups;
     const float* xt = x + t * hidden;
+    float v[kNormGroup] = {};
     for (int64_t i = g * kNormGroup; i < (g + 1) * kNormGroup && i < hidden; ++i)
-      xw[t * hidden + i] = norm_factor_xw(xt[i], __ldg(w + i));
+      xw[t * hidden + i] = v[i - g * kNormGroup] = norm_factor_xw(xt[i], __ldg(w + i));
     xss[k] = group_sum_sq([&](int64_t i) { return xt[i]; }, g, hidden);
+    if (xw_q != nullptr) store_q8act(xw_q + t * q8act_bytes(hidden), g, tm_act::q8_group(v[0], v[1], v[2], v[3]));
   }
 }
 
-template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
+// The int8 groups of rows x[rows, n] (n a multiple of 4) into the q8act layout at q (q8act_bytes(n) a row), one
+// thread a group: where tm_router_experts_gate_up falls back to separate launches, its groups are still written.
+__global__ void __launch_bounds__(256) act_groups_kernel(const float* x, uint8_t* q, int64_t rows, int64_t n) {
+  pdl_begin();
+  const int64_t per_row = n / 4;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < rows * per_row;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = k / per_row, j = k % per_row;
+    const float* p = x + r * n + 4 * j;
+    store_q8act(q + r * q8act_bytes(n), j, tm_act::q8_group(p[0], p[1], p[2], p[3]));
+  }
+}
+int launch_act_groups(const Limits& lim, const char* fn, const float* x, uint8_t* q, int64_t rows, int64_t n,
+                      cudaStream_t s) {
+  const int64_t blocks = ceil_div(rows * (n / 4), 256);
+  return launch(lim, fn, act_groups_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
+                0, s, x, q, rows, n);
+}
+
+template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM, bool Q>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
-                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, int gate_mode,
-                        int64_t tok0) {
+                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, uint8_t* xw_q,
+                        int gate_mode, int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
   extern __shared__ __align__(16) float down_smem[];
   __shared__ uint64_t rows_landed[kSplitRows];
@@ -808,9 +868,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
-        down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
+        down_dots<FS, 1, VS, true, Q>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
       } else {
-        down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
+        down_dots<FS, 1, VS, false, Q>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       }
       if (lane == 0) s_shared[warp] = __fmul_rn(w_eff[0], d[0][0]);
     }
@@ -821,7 +881,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     if (ra < rt.hidden) {
       for (int64_t s = j & 1; s < rt.top_k; s += 2) {
         float d[2][1], w_eff;
-        down_row_pair<FR, VR>(rt, t, ra, rb, s, d, w_eff);
+        down_row_pair<FR, VR, Q>(rt, t, ra, rb, s, d, w_eff);
         if (lane == 0) {
           s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
           if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
@@ -835,7 +895,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   // normalisation's grouped sum (kNormGroup == kSplitRows): with xss the four meet at a named barrier and warp 0
   // writes the group's sum beside xw. (Lane j of warp 0 adding row j instead ran 1.3 us a layer slower on the
   // H200: results/NOTES.md v12.)
-  __shared__ float s_rows[kSplitRows];
+  __shared__ float s_rows[kSplitRows], s_xw[kSplitRows];
   if (!shared_warp) return;
   const int64_t r = r0 + warp;
   if (lane == 0 && r < sh.hidden) {
@@ -843,14 +903,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
     for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
     *xo = acc;
-    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
+    if (xw != nullptr) {
+      s_xw[warp] = norm_factor_xw(acc, s_next_w[warp]);
+      xw[t * sh.hidden + r] = s_xw[warp];
+    }
     s_rows[warp] = acc;
   }
-  if (xss != nullptr) {
+  if (xss != nullptr) {  // the block's rows are also one int8 group of xw (hidden % 4 == 0 when xw_q is given)
     named_barrier<kSplitRows * 32>(1);
     if (warp == 0 && lane == 0)
       xss[t * norm_groups(sh.hidden) + blockIdx.x] =
           group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
+    if (xw_q != nullptr && warp == 0 && lane == 1)
+      store_q8act(xw_q + t * q8act_bytes(sh.hidden), blockIdx.x,
+                  tm_act::q8_group(s_xw[0], s_xw[1], s_xw[2], s_xw[3]));
   }
   stamp_end(kDownTimelineRow0);
 }
@@ -1022,7 +1088,8 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                                                const float* weights, const float* h, float* x,
                                                const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
                                                int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
-                                               void* stream) {
+                                               const uint8_t* act_groups_sh, const uint8_t* act_groups,
+                                               uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
@@ -1038,6 +1105,10 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                    &gate_mode, &vs));
   TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, nullptr, nullptr, top_k, n_experts, hidden, ffn, &rt,
                    &no_gate, &vr));
+  sh.act_q = act_groups_sh;
+  sh.act_q_stride = q8act_bytes(ffn_sh);
+  rt.act_q = act_groups;
+  rt.act_q_stride = q8act_bytes(ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
@@ -1049,7 +1120,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
     if (xw == nullptr) return TM_OK;
     const int64_t blocks = ceil_div(n_tokens * norm_groups(hidden), 256);
     return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
-                  0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
+                  0, s, x, next_norm_w, xw, xss, xw_groups, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
   if (smem > 48 * 1024 || smem > lim.smem_block || tiles > lim.max_grid_x) return two_launches();
@@ -1064,15 +1135,21 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(gy)),
                           dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
-                          next_norm_w, xw, xss, gate_mode, t0));
+                          next_norm_w, xw, xss, xw_groups, gate_mode, t0));
           }
           return TM_OK;
         };
+        // The int8 groups the gate-up stored, where both weight sets are tiled rows (the same bits as the floats)
+        constexpr bool kTiled = fmt_tiled(FS) && fmt_tiled(FR);
+        const bool q = kTiled && act_groups_sh != nullptr;
         if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
           const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
-          if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
+          if (smem_rows <= lim.smem_block)
+            return q ? run(experts_down_kernel<FS, VS, FR, VR, true, kTiled>, smem_rows)
+                     : run(experts_down_kernel<FS, VS, FR, VR, true, false>, smem_rows);
         }
-        return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);
+        return q ? run(experts_down_kernel<FS, VS, FR, VR, false, kTiled>, smem)
+                 : run(experts_down_kernel<FS, VS, FR, VR, false, false>, smem);
       } else {
         return two_launches();
       }
@@ -1086,7 +1163,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                               int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
                                               const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                               int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
-                                              int64_t ffn, int32_t* scratch, void* stream) {
+                                              int64_t ffn, int32_t* scratch, uint8_t* act_groups_sh,
+                                              uint8_t* act_groups, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w},
                                 {"w_router", w_router}, {"weights", weights}, {"gate_inp_sh", gate_inp_sh},
@@ -1098,6 +1176,10 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
                               n_experts, ffn, hidden, h, &sh, &rt, &v));
+  sh.act_q = act_groups_sh;
+  sh.act_q_stride = q8act_bytes(ffn_sh);
+  rt.act_q = act_groups;
+  rt.act_q_stride = q8act_bytes(ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
@@ -1116,8 +1198,11 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                     dim3(kRowsPerBlock * 32), 0, as_stream(stream), gate_inp_sh, h, gate_sh, n_tokens, hidden,
                     f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
     }
-    return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
-                                   top_k, n_experts, ffn, hidden, stream);
+    TM_TRY(tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
+                                   top_k, n_experts, ffn, hidden, stream));
+    if (act_groups_sh == nullptr) return TM_OK;
+    TM_TRY(launch_act_groups(lim, fn, act_sh, act_groups_sh, n_tokens, ffn_sh, as_stream(stream)));
+    return launch_act_groups(lim, fn, act, act_groups, n_tokens * top_k, ffn, as_stream(stream));
   }
   // h sits in shared memory, as in router.cu: the rows' alignment alone picks the vector loads (not the bits)
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize, gate_inp_sh, gate_sh,

@@ -634,16 +634,13 @@ struct NoHook {
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
-// Pre-quantized activations (the tiled reader's XT = uint8_t): a vector of n values as act_quant.h's groups, laid
-// out for the reader's loads. Per 512 values (a reader group: 4 steps of 32 lanes of 4 values) 1024 bytes: lane
-// l's codes of steps u = 0..3 at 16 l + 4 u, then their float scales at 512 + 16 l + 4 u. Group j of the vector
-// (values 4j .. 4j+3) belongs to step s = j / 32, lane j % 32. A short last reader group is stored whole.
-constexpr int kQ8ActGroupBytes = 1024;
-__host__ __device__ constexpr int64_t q8act_bytes(int64_t n) { return (n + 511) / 512 * kQ8ActGroupBytes; }
+// Pre-quantized activations (the tiled reader's XT = uint8_t): a vector's act_quant.h groups in act_quant.h's
+// layout (per 512 values, a reader group, 512 code bytes then 128 float scales).
+constexpr int kQ8ActGroupBytes = tm_act::kGroupBlockBytes;
+__host__ __device__ constexpr int64_t q8act_bytes(int64_t n) { return tm_act::groups_bytes(n); }
 // Group j's (codes, scale) into the layout at buf.
 __device__ __forceinline__ void store_q8act(uint8_t* buf, int64_t j, const tm_act::Q8Group& g) {
-  const int64_t s = j >> 5;
-  uint8_t* p = buf + (s >> 2) * kQ8ActGroupBytes + 16 * (j & 31) + 4 * (s & 3);
+  uint8_t* p = buf + tm_act::group_offset(j);
   *reinterpret_cast<uint32_t*>(p) = g.codes;
   *reinterpret_cast<float*>(p + 512) = g.scale;
 }
@@ -653,12 +650,10 @@ __device__ __forceinline__ void store_q8act_vector(const float* x, uint8_t* buf,
   for (int64_t j = threadIdx.x; j < n / 4; j += nthreads)
     store_q8act(buf, j, tm_act::q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]));
 }
-// A measurement knob (the same bits): the whole batch D batches ahead asked for in L1 (D = 1) or L2 (D = 2), one
-// prefetch per 128-byte line, right after this batch's loads (results/NOTES.md lesson 136: with int8 activations
-// D = 2 sped the down and slowed the gate-up on the H200).
-#ifndef TM_PROBE_Q8_PF
-#define TM_PROBE_Q8_PF 0
-#endif
+// The tiled reader's prefetch (template parameter PF, the same bits either way): 0 none, or the whole batch PF
+// batches ahead asked for in L2 (one prefetch per 128-byte line, right after this batch's loads). With int8
+// activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose 1,408
+// blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -687,7 +682,7 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook, class XT>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook, class XT, int PF>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
                                           const uint8_t* const (&scale)[NR], const XT* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
@@ -732,22 +727,17 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-#if TM_PROBE_Q8_PF
-  if constexpr (Full && !SM) {
-    if (g0 + (TM_PROBE_Q8_PF + 1) * kGroups <= ngroups) {
-      const auto ask = [](const uint8_t* p) {
-        if constexpr (TM_PROBE_Q8_PF == 1) prefetch_l1(p); else prefetch_l2(p);
-      };
+  if constexpr (Full && !SM && PF > 0) {
+    if (g0 + (PF + 1) * kGroups <= ngroups) {
 #pragma unroll
       for (int v = 0; v < kGroups; ++v)
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          if ((lane & 7) == 0) ask(code[r] + (TM_PROBE_Q8_PF * kGroups + v) * 512);
-          if (lane == 0) ask(scale[r] + (TM_PROBE_Q8_PF * kGroups + v) * 32);
+          if ((lane & 7) == 0) prefetch_l2(code[r] + (PF * kGroups + v) * 512);
+          if (lane == 0) prefetch_l2(scale[r] + (PF * kGroups + v) * 32);
         }
     }
   }
-#endif
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
   // row r's fragment of step (g0 + v) * 4 + u: Q8_0's step, operand for operand
   const auto frag = [&](int v, int r, int u) {
@@ -819,7 +809,8 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
 // XT: float activations (quantized step by step, act_quant.h), or uint8_t: the q8act layout's groups of the same
 // values, made once by the kernel that wrote them (the same operands, so the same bits, without the rounding work).
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, class XT = float>
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, class XT = float,
+          int PF = 0>
 __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const XT* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
@@ -849,7 +840,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * (std::is_same_v<XT, uint8_t> ? kQ8ActGroupBytes : 512);
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales,
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT, PF>(w, code, scale, xg, g0, ngroups, tail, scales,
                                                                lane, acc, hook, g0 == 0);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -861,7 +852,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT>(w, code, scale, xg, g0, ngroups, tail, scales,
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT, PF>(w, code, scale, xg, g0, ngroups, tail, scales,
                                                                 lane, acc, hook, g0 == 0);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
@@ -957,14 +948,15 @@ __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const fl
 }
 
 // warp_dot of tiled rows with pre-quantized activations (xq[.]: the q8act layout of the activation rows, as
-// store_q8act_vector writes it): the bits of warp_dot on the float activations they were made from.
-template <Fmt F, int NR, int NT, bool SX, bool SM = false, class Hook = NoHook>
+// store_q8act_vector writes it): the bits of warp_dot on the float activations they were made from. PF: the
+// reader's L2 prefetch distance in batches (0: none).
+template <Fmt F, int NR, int NT, bool SX, bool SM = false, int PF = 0, class Hook = NoHook>
 __device__ __forceinline__ bool warp_dot_q8act(const uint8_t* const (&w)[NR],
                                                const uint8_t* const (&xq)[SX ? NT : NR], int64_t nblocks,
                                                float (&out)[NR][NT], const Hook& hook = Hook{}) {
   static_assert(fmt_tiled(F), "pre-quantized activations are read by the tiled reader");
   static_assert(SX || NT == 1, "per-row activations take one token");
-  warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, true, SM, Hook, uint8_t>(w, xq, nblocks, out, hook);
+  warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, true, SM, Hook, uint8_t, PF>(w, xq, nblocks, out, hook);
   return nblocks >= 4;
 }
 

@@ -153,6 +153,17 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 #define TM_NORM_GROUP 4
 static inline int64_t tm_norm_groups(int64_t dim) { return (dim + TM_NORM_GROUP - 1) / TM_NORM_GROUP; }
 
+/* Int8 activation groups. Every product with Q8_0 weights multiplies its float32 activations rounded in groups of 4
+ * consecutive values: codes q_i = rint(x_i / 2^e) in [-127, 127] with the group's power-of-two scale 2^e, the
+ * smallest with max |x_i| / 2^e < 127.5 (csrc/common/act_quant.h defines it; groups below 2^-100 are 0, a NaN or
+ * infinity makes the group NaN). A kernel that writes activations may also write their groups ("groups"
+ * arguments, nullable, 16-byte aligned), so that the next product reads them instead of rounding the floats in
+ * every warp that multiplies them: the same values, so the same bits. A row of n values (n a multiple of 4) takes
+ * tm_act_groups_bytes(n) bytes: per 512 values 1024 bytes, lane l's 4 codes of steps u = 0..3 at 16 l + 4 u, then
+ * their float scales at 512 + 16 l + 4 u, group j being step j / 32 of lane j % 32. Where a function says so, its
+ * groups are written by both devices; the CPU's products read the floats (the same values). */
+static inline int64_t tm_act_groups_bytes(int64_t n) { return (n + 511) / 512 * 1024; }
+
 /* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (* scale[t] if scale) (+ bias[r] if bias), each a
  * rounded operation; if accumulate: y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias
  * nullable (float32 [rows]); scale nullable (float32 [n_tokens]: tm_rmsnorm_factors' inv, so that x = xw gives the
@@ -176,13 +187,14 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
  * pos[0] + t. Bitwise the result of those five calls in sequence on the same device; k and v are never stored.
  * xw and xss (both or neither, [T, hidden] and [T, tm_norm_groups(hidden)]): x * norm_w and x's partial sums of
  * squares (tm_rmsnorm_factors') as the kernel that wrote x also wrote them (tm_experts_down_accumulate's xw and
- * xss); NULL: computed here (the same bits, later). */
+ * xss); NULL: computed here (the same bits, later). xw_groups (nullable, only with xw; [T,
+ * tm_act_groups_bytes(hidden)] bytes): xw's int8 groups as that kernel wrote them. */
 TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
                        const float* norm_w, float eps, const void* w_q,
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
-                       int neox, void* stream);
+                       int neox, const uint8_t* xw_groups, void* stream);
 
 /* int32 words of the scratch tm_attention needs: one record per (token, head) pair, an arrival counter (4 words)
  * then 8 partial results of head_dim + 2 floats. Pair p's record is at the same place whatever n_tokens a call has,
@@ -258,7 +270,7 @@ static inline int64_t tm_router_gate_up_groups_word(int64_t n_tokens, int64_t n_
  * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), then from
  * tm_router_gate_up_groups_word per token h's int8 groups (256 words per 512 values of hidden). */
 static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
-  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * ((hidden + 511) / 512 * 256);
+  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * (tm_act_groups_bytes(hidden) / 4);
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
@@ -276,14 +288,16 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * gate_inp_sh (nullable, float32 [hidden]): the shared expert's gate row; then gate_sh (float32 [n_tokens]) gets
  * gate_sh[t] = sigmoid(dot(gate_inp_sh, h[t, :])), the factor tm_moe_down_accumulate would compute from
  * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every
- * block. gate_sh must be given exactly when gate_inp_sh is. */
+ * block. gate_sh must be given exactly when gate_inp_sh is. act_groups_sh and act_groups (both or neither;
+ * [T, tm_act_groups_bytes(ffn_sh)] and [T, top_k, tm_act_groups_bytes(ffn)] bytes, ffn_sh and ffn multiples of 4):
+ * also act_sh's and act's int8 groups, for tm_experts_down_accumulate. */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
                                      const float* gate_inp_sh, float* gate_sh,
                                      const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                      int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                     int32_t* scratch, void* stream);
+                                     int32_t* scratch, uint8_t* act_groups_sh, uint8_t* act_groups, void* stream);
 
 /* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
  * order, one running float32 accumulator per output row seeded from x and written once:
@@ -309,13 +323,17 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  * gate. next_norm_w, xw and xss (all or none; float32 [hidden], [T, hidden] and [T, tm_norm_groups(hidden)]): also
  * xw[t, r] = x[t, r] * next_norm_w[r], the first factor of the next normalisation, and xss, the partial sums of
  * squares of the x written here (both as tm_rmsnorm_factors writes them), so that the next layer's tm_qkv_rope need
- * not compute them. */
+ * not compute them. act_groups_sh and act_groups (both or neither): act_sh's and act's int8 groups as
+ * tm_router_experts_gate_up wrote them, read instead of the floats. xw_groups (nullable, only with xw, hidden a
+ * multiple of 4; [T, tm_act_groups_bytes(hidden)] bytes): also xw's int8 groups, for tm_qkv_rope. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                       const void* w_down,
                                       const float* act, const int32_t* ids, const float* weights, const float* h,
                                       float* x, const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
-                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
+                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                                      const uint8_t* act_groups_sh, const uint8_t* act_groups, uint8_t* xw_groups,
+                                      void* stream);
 
 
 /* int32 words of the scratch tm_router_experts_ffn needs (it may also serve tm_router_experts_gate_up: they share

@@ -116,6 +116,7 @@ int64_t row_bytes(int64_t qtype, int64_t cols) { return tm_qtype_row_bytes(stati
 
 constexpr auto kF32 = at::kFloat;
 constexpr auto kI32 = at::kInt;
+constexpr auto kU8 = at::kByte;  // int8 activation groups (tm_act_groups_bytes)
 
 void embedding(int64_t qtype, const Tensor& table, const Tensor& ids, const Tensor& out, int64_t n_tokens,
                int64_t vocab, int64_t dim, int64_t stream) {
@@ -184,7 +185,7 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
               const Tensor& w_k, const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
               const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos, int64_t n_tokens, int64_t hidden,
               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, double freq_base, bool neox,
-              int64_t stream) {
+              const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.qkv_rope");
   const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
@@ -201,10 +202,11 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
   float* kc_p = a.data<float>(k_cache, "k_cache", kF32, max_ctx * kv_rows);
   float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  const uint8_t* xwg_p = a.optional<const uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, xw_p, xss_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p,
                       bq_p, bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim,
-                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
+                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, xwg_p, as_stream(stream)));
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
@@ -322,7 +324,7 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                             const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
                             const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
-                            int64_t stream) {
+                            const OptTensor& act_groups_sh, const OptTensor& act_groups, int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
   const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
@@ -330,11 +332,13 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden));
+  uint8_t* ags_p = a.optional<uint8_t>(act_groups_sh, "act_groups_sh", kU8, n_tokens * tm_act_groups_bytes(ffn_sh));
+  uint8_t* ag_p = a.optional<uint8_t>(act_groups, "act_groups", kU8, n_tokens * top_k * tm_act_groups_bytes(ffn));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
                                     r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
                                     gi_p, gs_p, g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k,
-                                    normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
+                                    normalize ? 1 : 0, ffn, sc_p, ags_p, ag_p, as_stream(stream)));
 }
 
 void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
@@ -403,7 +407,8 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
                              const Tensor& ids, const OptTensor& weights, const OptTensor& h, const Tensor& x,
                              const OptTensor& next_norm_w, const OptTensor& xw, const OptTensor& xss, int64_t n_tokens,
                              int64_t top_k,
-                             int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
+                             int64_t n_experts, int64_t hidden, int64_t ffn, const OptTensor& act_groups_sh,
+                             const OptTensor& act_groups, const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.experts_down_accumulate");
   const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
@@ -418,10 +423,15 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
   const float* nw_p = a.optional<const float>(next_norm_w, "next_norm_w", kF32, hidden);
   float* xw_p = a.optional<float>(xw, "xw", kF32, n_tokens * hidden);
   float* xss_p = a.optional<float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
+  const uint8_t* ags_p =
+      a.optional<const uint8_t>(act_groups_sh, "act_groups_sh", kU8, n_tokens * tm_act_groups_bytes(ffn_sh));
+  const uint8_t* ag_p =
+      a.optional<const uint8_t>(act_groups, "act_groups", kU8, n_tokens * top_k * tm_act_groups_bytes(ffn));
+  uint8_t* xwg_p = a.optional<uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, gs_p, ffn_sh, w_p,
                                      act_p, ids_p, wt_p, h_p, x_p, nw_p, xw_p, xss_p, n_tokens, top_k, n_experts, hidden, ffn,
-                                     as_stream(stream)));
+                                     ags_p, ag_p, xwg_p, as_stream(stream)));
 }
 
 void argmax(const Tensor& logits, const Tensor& out, int64_t n_tokens, int64_t vocab, int64_t stream) {
@@ -501,7 +511,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("qkv_rope(int qtype, Tensor x, Tensor? xw, Tensor? xss, Tensor norm_w, float eps, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, "
         "Tensor? b_k, Tensor? b_v, Tensor(a!) q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, int n_tokens, "
         "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
-        "int stream) -> ()");
+        "Tensor? xw_groups, int stream) -> ()");
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
         "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
@@ -516,7 +526,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("router_experts_gate_up(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
         "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
         "Tensor? gate_inp_sh, Tensor(g!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, "
-        "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
+        "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, Tensor(h!)? act_groups_sh, "
+        "Tensor(i!)? act_groups, int stream) -> ()");
   m.def("router_experts_ffn(Tensor(a!) x, Tensor norm_w, float eps, Tensor(b!) h, Tensor w_router, Tensor(c!) ids, "
         "Tensor(d!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor w_down_sh, Tensor(e!) act_sh, "
         "int ffn_sh, Tensor? gate_inp_sh, Tensor(f!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor w_down, "
@@ -528,7 +539,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, Tensor? gate_sh, "
         "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, "
         "Tensor? next_norm_w, Tensor(b!)? xw, Tensor(c!)? xss, int n_tokens, int top_k, int n_experts, int hidden, int ffn, "
-        "int stream) -> ()");
+        "Tensor? act_groups_sh, Tensor? act_groups, Tensor(d!)? xw_groups, int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");

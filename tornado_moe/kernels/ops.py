@@ -21,6 +21,7 @@ __all__ = [
     "KERNEL_NAMES",
     "NORM_GROUP",
     "DeviceProps",
+    "act_groups_bytes",
     "advance_position",
     "argmax",
     "attention",
@@ -66,7 +67,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                        "head_dim", "max_ctx", "freq_base", "neox"),
     "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
                  "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim",
-                 "max_ctx", "freq_base", "neox"),
+                 "max_ctx", "freq_base", "neox", "xw_groups"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
                   "max_ctx", "scratch"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
@@ -80,7 +81,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
                                "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                                "w_up", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn",
-                               "scratch"),
+                               "scratch", "act_groups_sh", "act_groups"),
     "router_experts_ffn": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype", "w_gate_sh",
                            "w_up_sh", "w_down_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                            "w_up", "w_down", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize",
@@ -89,7 +90,8 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
                                 "act", "ids", "weights", "h", "x", "next_norm_w", "xw", "xss", "n_tokens",
-                                "top_k", "n_experts", "hidden", "ffn"),
+                                "top_k", "n_experts", "hidden", "ffn", "act_groups_sh", "act_groups",
+                                "xw_groups"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
     "advance_position": ("pos", "delta", "token", "log", "log_len"),
@@ -221,13 +223,17 @@ def qkv_rope(
     max_ctx: int,
     freq_base: float,
     neox: bool,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """rmsnorm_factors + the q, k, v products scaled by inv + RoPE and KV append in one launch (bitwise those
     five kernels). ``xw`` and ``xss``: x * norm_w and x's partial sums of squares as the kernel that wrote x
-    wrote them (experts_down_accumulate), or both None (computed here).
+    wrote them (experts_down_accumulate), or both None (computed here). ``xw_groups`` (uint8, with xw): xw's
+    int8 groups as that kernel wrote them (``act_groups_bytes``), which Q8_0 products read instead of rounding
+    xw in every warp: the same values.
     """
     _ops().qkv_rope(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, stream_of(q))
+                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, xw_groups,
+                    stream_of(q))
 
 
 def attention(
@@ -369,6 +375,8 @@ def router_experts_gate_up(
     normalize: bool,
     ffn: int,
     scratch: torch.Tensor,
+    act_groups_sh: torch.Tensor | None = None,
+    act_groups: torch.Tensor | None = None,
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
     stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts,
@@ -377,16 +385,24 @@ def router_experts_gate_up(
     int8 groups); calls sharing it must not overlap, and nothing else may write it. With the shared expert's
     gate row ``gate_inp_sh`` it also writes ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32
     [n_tokens]), the factor experts_down_accumulate then reads instead of computing it in each of its
-    blocks."""
+    blocks. ``act_groups_sh`` and ``act_groups`` (uint8, both or neither: [n_tokens, act_groups_bytes(ffn_sh)]
+    and [n_tokens, top_k, act_groups_bytes(ffn)]): also act_sh's and act's int8 groups, for the down."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
-                                  n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(act))
+                                  n_experts, hidden, top_k, normalize, ffn, scratch, act_groups_sh,
+                                  act_groups, stream_of(act))
 
 
 def router_gate_up_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
     """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts (and h's
     int8 groups, of ``hidden`` values a token)."""
     return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts, hidden))
+
+
+def act_groups_bytes(n: int) -> int:
+    """Bytes of the int8 activation groups of a row of ``n`` values (tornado_moe.h, tm_act_groups_bytes): the
+    buffers router_experts_gate_up and experts_down_accumulate write for the next Q8_0 product."""
+    return (n + 511) // 512 * 1024
 
 
 def router_experts_ffn(
@@ -500,15 +516,20 @@ def experts_down_accumulate(
     n_experts: int,
     hidden: int,
     ffn: int,
+    act_groups_sh: torch.Tensor | None = None,
+    act_groups: torch.Tensor | None = None,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls). The
     shared term's gate comes from at most one of ``gate_inp_sh`` (computed here from h) and ``gate_sh`` (the
     factors router_experts_gate_up wrote: the same bits). With ``next_norm_w`` also ``xw`` = x * next_norm_w
     and ``xss``, x's partial sums of squares: the next normalisation's factors as rmsnorm_factors writes them,
-    for the next layer's qkv_rope."""
+    for the next layer's qkv_rope. ``act_groups_sh``/``act_groups``: the activations' int8 groups as
+    router_experts_gate_up wrote them (read instead of the floats: the same values); ``xw_groups`` (with xw):
+    also xw's groups, for qkv_rope."""
     _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down, act, ids,
                                    weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden,
-                                   ffn, stream_of(x))
+                                   ffn, act_groups_sh, act_groups, xw_groups, stream_of(x))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:

@@ -35,7 +35,7 @@ from tornado_moe.model.config import ModelConfig
 from tornado_moe.model.gguf_model import GGUFModel, QTensor
 from tornado_moe.quant.formats import QuantType
 
-__all__ = ["KVCache", "ReferenceModel", "q8_round", "rmsnorm", "rope", "route_topk"]
+__all__ = ["KVCache", "ReferenceModel", "q8_groups", "q8_round", "rmsnorm", "rope", "route_topk"]
 
 _F64 = torch.float64
 
@@ -62,13 +62,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool) -> 
     return out
 
 
-def q8_round(x: torch.Tensor) -> torch.Tensor:
-    """The values the int8 groups of ``x`` stand for: what a dot product with Q8_0 weights multiplies.
+def q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 groups of ``x`` (csrc/common/act_quant.h), in x's dtype: codes [..., n / 4, 4] (integers in
+    [-127, 127]) and scales [..., n / 4, 1].
 
     Groups of 4 consecutive values of the last dimension; per group the scale 2^e is the smallest power of two
-    with max |x| * 2^-e < 127.5, and each value becomes rint(x * 2^-e) * 2^e (ties to even). Groups whose
-    largest magnitude is below 2^-100 become 0, groups with a NaN or an infinity NaN (csrc/common/act_quant.h;
-    computed in x's dtype, so a float32 input gives the kernels' values exactly).
+    with max |x| * 2^-e < 127.5, and the codes are rint(x * 2^-e) (ties to even). Groups whose largest magnitude
+    is below 2^-100 get codes 0 and scale 0, groups with a NaN or an infinity codes 0 and scale NaN (computed in
+    x's dtype, so a float32 input gives the kernels' groups exactly).
     """
     g = x.reshape(*x.shape[:-1], -1, 4)
     amax = g.abs().amax(dim=-1, keepdim=True)
@@ -76,10 +77,19 @@ def q8_round(x: torch.Tensor) -> torch.Tensor:
     _, k = torch.frexp(torch.where(finite, amax, torch.ones_like(amax)))  # amax in [2^(k-1), 2^k)
     e = k - 7
     e = torch.where(torch.ldexp(amax, -e) >= 127.5, e + 1, e)
-    out = torch.ldexp(torch.round(torch.ldexp(g, -e)), e)
-    out = torch.where(amax < 2.0**-100, torch.zeros_like(out), out)
-    out = torch.where(finite, out, torch.full_like(out, float("nan")))
-    return out.reshape(x.shape)
+    tiny = amax < 2.0**-100
+    codes = torch.where(finite & ~tiny, torch.round(torch.ldexp(g, -e)), torch.zeros_like(g))
+    scale = torch.ldexp(torch.ones_like(amax), e)
+    scale = torch.where(tiny, torch.zeros_like(scale), scale)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    return codes, scale
+
+
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """The values the int8 groups of ``x`` stand for (q8_groups: codes * scale): what a dot product with Q8_0
+    weights multiplies."""
+    codes, scale = q8_groups(x)
+    return (codes * scale).reshape(x.shape)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
