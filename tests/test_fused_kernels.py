@@ -580,6 +580,33 @@ def test_int8_groups_pass_from_gate_up_to_down_to_qkv_as_the_rounded_floats(devi
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_tokens,pos0", [(1, 5), (1, 300), (2, 140)])  # 300, 140: the merged partials
+def test_attention_groups_feed_the_output_projection_bitwise(device: str, n_tokens: int, pos0: int) -> None:
+    """attention's out_groups are kernel_reference.act_groups of the out it writes (whichever block writes
+    it), and the output projection that reads them gives the bits of the one that rounds out itself."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    n_heads, n_kv, hd, hidden = 4, 2, 64, 256
+    max_ctx = pos0 + n_tokens
+    rng = np.random.default_rng(41)
+    q = randn(rng, (n_tokens, n_heads * hd), device)
+    kc, vc = randn(rng, (max_ctx, n_kv * hd), device), randn(rng, (max_ctx, n_kv * hd), device)
+    pos = torch.tensor([pos0], dtype=torch.int32, device=device)
+    scratch = torch.zeros(K.attention_scratch_words(n_tokens, n_heads, hd), dtype=torch.int32, device=device)
+    out = poisoned((n_tokens, n_heads * hd), device)
+    out_q = torch.zeros(n_tokens, K.act_groups_bytes(n_heads * hd), dtype=torch.uint8, device=device)
+    K.attention(q, kc, vc, out, pos, n_tokens, n_heads, n_kv, hd, max_ctx, scratch, out_q)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out_q.cpu(), ref.act_groups(out))
+    wo = tile_q8_0(ref.make_weights(rng, (hidden, n_heads * hd), 8, 0.1)[0].to(device), n_heads * hd)
+    x0 = randn(rng, (n_tokens, hidden), device)
+    ys = [x0.clone(), x0.clone()]
+    for y, groups in zip(ys, (None, out_q), strict=True):
+        K.matmul(Q8_0_TILED, wo, out, None, y, n_tokens, hidden, n_heads * hd, True, None, groups)
+    assert not torch.equal(ys[0], x0) and torch.equal(ys[1], ys[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_int8_groups_go_with_their_floats(device: str) -> None:
     """Group buffers are checked: given with the floats they belong to, both halves' or neither, 16-byte
     aligned."""

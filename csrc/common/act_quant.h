@@ -107,6 +107,11 @@ inline void store_groups(const float* x, uint8_t* buf, int64_t n) {
   }
 }
 
+// The groups of rows x[rows, n] into q, groups_bytes(n) bytes a row: what the GPU's producers store.
+inline void store_row_groups(const float* x, uint8_t* q, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) store_groups(x + r * n, q + r * groups_bytes(n), n);
+}
+
 // The values the groups of x[0 .. n) stand for (n a multiple of 4), into out (may be x): what a Q8_0 dot product
 // multiplies (the CPU kernels round their activations with this, then take their float dot products).
 inline void q8_round(const float* x, float* out, int64_t n) {

@@ -30,7 +30,8 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##rmsnorm_factors(const float* x, const float* w, float* xw, float* xss, float* inv,             \
                               int64_t n_tokens, int64_t dim, float eps, void* stream);                       \
   int PREFIX##matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,  \
-                     int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);           \
+                     int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,  \
+                     void* stream);                                                                           \
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \
@@ -43,7 +44,8 @@ int tm_set_error(int status, const char* fmt, ...);
                        float freq_base, int neox, const uint8_t* xw_groups, void* stream);                          \
   int PREFIX##attention(const float* q, const float* k_cache, const float* v_cache, float* out,               \
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,             \
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);                   \
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups,             \
+                        void* stream);                                                                        \
   int PREFIX##router_topk(const float* w_router, const float* h, int32_t* ids, float* weights,                \
                           int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,  \
                           void* stream);                                                                       \

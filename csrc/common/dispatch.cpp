@@ -283,7 +283,8 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 }
 
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream) {
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
+                     const uint8_t* x_groups, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -294,7 +295,9 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
   TM_TRY(check_positive(fn, "rows", rows));
   TM_TRY(check_positive(fn, "cols", cols));
   TM_TRY(check_row_length(fn, "cols", qtype, cols));
-  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, stream);
+  TM_TRY(check_groups(fn, "x_groups", x_groups, x, "x", cols));
+  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, x_groups,
+                    stream);
 }
 
 TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
@@ -335,7 +338,7 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
 
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream) {
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_ptr(fn, "out", out));
@@ -344,8 +347,9 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
   if (n_heads % n_kv_heads != 0)
     return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
                         n_heads, n_kv_heads);
+  TM_TRY(check_groups(fn, "out_groups", out_groups, out, "out", head_dim));
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
-                    max_ctx, scratch, stream);
+                    max_ctx, scratch, out_groups, stream);
 }
 
 TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,

@@ -53,10 +53,11 @@ const KernelRow kKernels[] = {
                                  ptr<float>(a[3]), ptr<float>(a[4]), i64(a[5]), i64(a[6]), f32(a[7]), s);
      },
      0},
-    {"matmul", "qppnpiiibn",
+    {"matmul", "qppnpiiibnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_matmul(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
-                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]), s);
+                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]),
+                        ptr<const uint8_t>(a[10]), s);
      },
      0},
     {"rope_kv_append", "ppppppiiiiifb",
@@ -76,11 +77,11 @@ const KernelRow kKernels[] = {
                           i64(a[21]), f32(a[22]), i32(a[23]), ptr<const uint8_t>(a[24]), s);
      },
      0},
-    {"attention", "pppppiiiiip",
+    {"attention", "pppppiiiiipn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_attention(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]),
                            ptr<float>(a[3]), ptr<const int32_t>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i64(a[8]),
-                           i64(a[9]), ptr<int32_t>(a[10]), s);
+                           i64(a[9]), ptr<int32_t>(a[10]), ptr<uint8_t>(a[11]), s);
      },
      0},
     {"router_topk", "ppppiiiib",

@@ -7,13 +7,6 @@
 #include "backends.h"
 #include "cpu_math.h"
 
-namespace {
-// The int8 groups of rows x[rows, n] into q (tm_act_groups_bytes(n) a row): what the CUDA producers store.
-void store_row_groups(const float* x, uint8_t* q, int64_t rows, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) tm_act::store_groups(x + r * n, q + r * tm_act::groups_bytes(n), n);
-}
-}  // namespace
-
 // Given xw and xss are x's factors as the kernel that wrote x computed them: the same bits as those computed here
 // (and xw's groups the values the CPU's Q8_0 products round xw to).
 extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
@@ -29,9 +22,11 @@ extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const
   std::vector<float> xs(static_cast<size_t>(n_tokens * hidden)), inv(static_cast<size_t>(n_tokens));
   std::vector<float> k(static_cast<size_t>(n_tokens * kv_rows)), v(static_cast<size_t>(n_tokens * kv_rows));
   TM_TRY(tm_cpu_rmsnorm_factors(x, norm_w, xs.data(), nullptr, inv.data(), n_tokens, hidden, eps, stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_k, xs.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, inv.data(), stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_v, xs.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, inv.data(), stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), nullptr, stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_k, xs.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
+                       stream));
+  TM_TRY(tm_cpu_matmul(qtype, w_v, xs.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
+                       stream));
   return tm_cpu_rope_kv_append(q, k.data(), v.data(), k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                                max_ctx, freq_base, neox, stream);
 }
@@ -64,7 +59,7 @@ extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, 
   if (xw == nullptr) return TM_OK;
   std::vector<float> inv(static_cast<size_t>(n_tokens));  // the next norm's inv: its consumer computes it itself
   TM_TRY(tm_cpu_rmsnorm_factors(x, next_norm_w, xw, xss, inv.data(), n_tokens, hidden, 1.0f, stream));
-  if (xw_groups != nullptr) store_row_groups(xw, xw_groups, n_tokens, hidden);
+  if (xw_groups != nullptr) tm_act::store_row_groups(xw, xw_groups, n_tokens, hidden);
   return TM_OK;
 }
 
@@ -83,8 +78,8 @@ extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w
   TM_TRY(tm_cpu_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
                                 top_k, n_experts, ffn, hidden, stream));
   if (act_groups_sh != nullptr) {
-    store_row_groups(act_sh, act_groups_sh, n_tokens, ffn_sh);
-    store_row_groups(act, act_groups, n_tokens * top_k, ffn);
+    tm_act::store_row_groups(act_sh, act_groups_sh, n_tokens, ffn_sh);
+    tm_act::store_row_groups(act, act_groups, n_tokens * top_k, ffn);
   }
   return TM_OK;
 }

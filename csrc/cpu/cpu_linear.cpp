@@ -86,7 +86,7 @@ extern "C" int tm_cpu_embedding(int qtype, const void* table, const int32_t* ids
 
 extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const float* bias, float* y,
                              int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                             void* stream) {
+                             const uint8_t* /*x_groups: the values x rounds to here*/, void* stream) {
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, cols);
   const int64_t n_tiles = (rows + kRowTile - 1) / kRowTile;

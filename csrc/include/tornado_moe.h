@@ -167,9 +167,11 @@ static inline int64_t tm_act_groups_bytes(int64_t n) { return (n + 511) / 512 * 
 /* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (* scale[t] if scale) (+ bias[r] if bias), each a
  * rounded operation; if accumulate: y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias
  * nullable (float32 [rows]); scale nullable (float32 [n_tokens]: tm_rmsnorm_factors' inv, so that x = xw gives the
- * normalised product). */
+ * normalised product). x_groups (nullable; [T, tm_act_groups_bytes(cols)] bytes): x's int8 groups as the
+ * kernel that wrote x wrote them (tm_attention's out_groups), read instead of rounding x. */
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
+                     const uint8_t* x_groups, void* stream);
 
 /* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
  * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.
@@ -208,10 +210,12 @@ static inline int64_t tm_attention_scratch_words(int64_t n_tokens, int64_t n_hea
  * j = 0 .. pos[0] + t. q, out [T, n_heads, head_dim]. scratch: int32 [tm_attention_scratch_words(n_tokens, n_heads,
  * head_dim)], all zero before the first call; CUDA merges a context of more than 128 positions through it (the
  * counters are back at zero after every call, and a call of any token count may follow one of another) and the CPU
- * does not touch it. Calls sharing a scratch must not run at the same time (one stream does that). */
+ * does not touch it. Calls sharing a scratch must not run at the same time (one stream does that). out_groups
+ * (nullable, head_dim a multiple of 4; [T, tm_act_groups_bytes(n_heads * head_dim)] bytes): also out's int8
+ * groups (rows of n_heads * head_dim values), for the output projection. */
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream);
 
 /* Router: logits[e] = dot(w_router[e, :], h[t, :]) (w_router float32 [E, hidden]); p = softmax over all E
  * (float32, max-subtracted); top_k largest p, ties to the lowest expert id, in descending order of p.

@@ -23,7 +23,7 @@ int tm_cuda_rmsnorm_factors(const float*, const float*, float*, float*, float*, 
   return no_cuda("tm_rmsnorm_factors");
 }
 int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, const float*,
-                   void*) {
+                   const uint8_t*, void*) {
   return no_cuda("tm_matmul");
 }
 int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, const int32_t*, int64_t, int64_t,
@@ -37,7 +37,7 @@ int tm_cuda_qkv_rope(int, const float*, const float*, const float*, const float*
   return no_cuda("tm_qkv_rope");
 }
 int tm_cuda_attention(const float*, const float*, const float*, float*, const int32_t*, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, int32_t*, void*) {
+                      int64_t, int64_t, int32_t*, uint8_t*, void*) {
   return no_cuda("tm_attention");
 }
 int tm_cuda_router_topk(const float*, const float*, int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int,

@@ -153,16 +153,18 @@ void rmsnorm_factors(const Tensor& x, const Tensor& w, const Tensor& xw, const O
 }
 
 void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
-            int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, int64_t stream) {
+            int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, const OptTensor& x_groups,
+            int64_t stream) {
   Args a("tornado_moe.matmul");
   const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
   const float* b_p = a.optional<const float>(bias, "bias", kF32, rows);
   float* y_p = a.data<float>(y, "y", kF32, n_tokens * rows);
   const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
+  const uint8_t* xg_p = a.optional<const uint8_t>(x_groups, "x_groups", kU8, n_tokens * tm_act_groups_bytes(cols));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
-                    s_p, as_stream(stream)));
+                    s_p, xg_p, as_stream(stream)));
 }
 
 void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
@@ -211,7 +213,7 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
                int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-               const Tensor& scratch, int64_t stream) {
+               const Tensor& scratch, const OptTensor& out_groups, int64_t stream) {
   Args a("tornado_moe.attention");
   const float* q_p = a.data<const float>(q, "q", kF32, n_tokens * n_heads * head_dim);
   const float* kc_p = a.data<const float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
@@ -220,8 +222,10 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
   c10::DeviceGuard guard(a.torch_device());
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_attention_scratch_words(n_tokens, n_heads, head_dim));
+  uint8_t* og_p =
+      a.optional<uint8_t>(out_groups, "out_groups", kU8, n_tokens * tm_act_groups_bytes(n_heads * head_dim));
   a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, sc_p,
-                       as_stream(stream)));
+                       og_p, as_stream(stream)));
 }
 
 void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, const Tensor& weights, int64_t n_tokens,
@@ -504,7 +508,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_factors(Tensor x, Tensor w, Tensor(a!) xw, Tensor(b!)? xss, Tensor(c!) inv, int n_tokens, int dim, "
         "float eps, int stream) -> ()");
   m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
-        "bool accumulate, Tensor? scale, int stream) -> ()");
+        "bool accumulate, Tensor? scale, Tensor? x_groups, int stream) -> ()");
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
@@ -513,7 +517,8 @@ TORCH_LIBRARY(tornado_moe, m) {
         "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "Tensor? xw_groups, int stream) -> ()");
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
-        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, int stream) -> ()");
+        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, Tensor(c!)? out_groups, "
+        "int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
         "int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "

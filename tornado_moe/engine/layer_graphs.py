@@ -159,7 +159,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
-                   rows, H, False, act.norm_inv)
+                   rows, H, False, act.norm_inv, None)
         if cfg.qk_norm:  # q and k normalised in place, as rows of the norm's width (a head, or a token's all)
             for name, out, n, width in zip(("q", "k"), (act.q, act.k), (cfg.n_heads, cfg.n_kv_heads),
                                            cfg.qk_norm_widths, strict=True):
@@ -167,11 +167,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                        T * n * hd // width, width, cfg.rms_eps)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
-    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
-           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch)
     wo = _w(L, "attn_output")
+    # attention's int8 groups, for the output projection when its rows read them (one token a step)
+    attn_groups = act.attn_groups if _takes_groups(wo) and T == 1 and hd % 4 == 0 else None
+    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
+           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
-           None)
+           None, attn_groups)
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
@@ -255,7 +257,7 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     g = TaskGraph("logits")
     g.task("output_norm", "rmsnorm", last_x, dm.output_norm.floats, last_h, 1, cfg.hidden, cfg.rms_eps)
     g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False,
-           None)
+           None, None)
     next_token = act.tokens[:1]
     advance = T  # positions the step moves on by once the next token is chosen
     if sampler.greedy:

@@ -62,14 +62,14 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
     "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
     "rmsnorm_factors": ("x", "w", "xw", "xss", "inv", "n_tokens", "dim", "eps"),
-    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale", "x_groups"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
     "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
                  "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim",
                  "max_ctx", "freq_base", "neox", "xw_groups"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
-                  "max_ctx", "scratch"),
+                  "max_ctx", "scratch", "out_groups"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
@@ -160,9 +160,12 @@ def matmul(
     cols: int,
     accumulate: bool = False,
     scale: torch.Tensor | None = None,
+    x_groups: torch.Tensor | None = None,
 ) -> None:
-    """y = W x (* scale[t]) (+ bias) (+ y when accumulating)."""
-    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, stream_of(y))
+    """y = W x (* scale[t]) (+ bias) (+ y when accumulating). ``x_groups`` (uint8): x's int8 groups as the
+    kernel that wrote x wrote them (attention's out_groups), which Q8_0 products read instead of rounding
+    x."""
+    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, x_groups, stream_of(y))
 
 
 def rope_kv_append(
@@ -248,11 +251,14 @@ def attention(
     head_dim: int,
     max_ctx: int,
     scratch: torch.Tensor,
+    out_groups: torch.Tensor | None = None,
 ) -> None:
     """``scratch``: int32, ``attention_scratch_words(n_tokens, n_heads, head_dim)`` elements, zero before the
-    first call (each call leaves it so); CUDA merges contexts above 128 positions through it."""
+    first call (each call leaves it so); CUDA merges contexts above 128 positions through it. ``out_groups``
+    (uint8, [n_tokens, act_groups_bytes(n_heads * head_dim)]): also out's int8 groups, for the output
+    projection."""
     _ops().attention(q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch,
-                     stream_of(out))
+                     out_groups, stream_of(out))
 
 
 def attention_scratch_words(n_tokens: int, n_heads: int, head_dim: int) -> int:

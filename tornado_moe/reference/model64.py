@@ -66,10 +66,10 @@ def q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 groups of ``x`` (csrc/common/act_quant.h), in x's dtype: codes [..., n / 4, 4] (integers in
     [-127, 127]) and scales [..., n / 4, 1].
 
-    Groups of 4 consecutive values of the last dimension; per group the scale 2^e is the smallest power of two
-    with max |x| * 2^-e < 127.5, and the codes are rint(x * 2^-e) (ties to even). Groups whose largest magnitude
-    is below 2^-100 get codes 0 and scale 0, groups with a NaN or an infinity codes 0 and scale NaN (computed in
-    x's dtype, so a float32 input gives the kernels' groups exactly).
+    Groups of 4 consecutive values of the last dimension; per group the scale 2^e is the smallest power of
+    two with max |x| * 2^-e < 127.5, and the codes are rint(x * 2^-e) (ties to even). Groups whose largest
+    magnitude is below 2^-100 get codes 0 and scale 0, groups with a NaN or an infinity codes 0 and scale NaN
+    (computed in x's dtype, so a float32 input gives the kernels' groups exactly).
     """
     g = x.reshape(*x.shape[:-1], -1, 4)
     amax = g.abs().amax(dim=-1, keepdim=True)

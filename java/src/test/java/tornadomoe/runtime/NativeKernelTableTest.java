@@ -31,12 +31,14 @@ public class NativeKernelTableTest {
         m.put("embedding", "qpppiii");          // qtype, table, ids, out, n_tokens, vocab, dim
         m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
         m.put("rmsnorm_factors", "pppnpiif");   // x, w, xw, xss?, inv, n_tokens, dim, eps
-        m.put("matmul", "qppnpiiibn");          // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?
+        m.put("matmul", "qppnpiiibnn");         // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?,
+                                                // x_groups?
         m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
         m.put("qkv_rope", "qpnnpfpppnnnppppiiiiiifbn"); // qtype x xw? xss? norm_w eps, w_q w_k w_v, b_q? b_k? b_v?,
                                                        // q k_cache v_cache pos, T hidden heads kv hd ctx, base,
                                                        // neox, xw_groups?
-        m.put("attention", "pppppiiiiip");      // q k_cache v_cache out pos, T heads kv hd ctx, scratch
+        m.put("attention", "pppppiiiiipn");     // q k_cache v_cache out pos, T heads kv hd ctx, scratch,
+                                                // out_groups?
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
         m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
