@@ -152,6 +152,14 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
   return a.weights != nullptr ? a.weights[slot] : 1.0f;
 }
 
+// Timing-only probes (wrong results; results/NOTES.md lesson 139): 0 leaves out the gate-up's group epilogue
+// (TM_PROBE_GU_GROUPS) or the shared blocks' quantization of h (TM_PROBE_SH_Q8), to price each.
+#ifndef TM_PROBE_GU_GROUPS
+#define TM_PROBE_GU_GROUPS 1
+#endif
+#ifndef TM_PROBE_SH_Q8
+#define TM_PROBE_SH_Q8 1
+#endif
 // The int8 groups of a block's kRowsPerBlock consecutive values (warp w's lane 0 holds value w, row tile * 8 + w
 // of a row of n values, n a multiple of 4): two groups of the row's q8act layout at buf, written by warp 0 after a
 // barrier of the whole block (every warp of the block calls it). The consumer (the down) reads them instead of
@@ -186,7 +194,8 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   const bool row = r < a.ffn;
-  if (!row && a.act_q == nullptr) return;
+  const bool groups = TM_PROBE_GU_GROUPS && a.act_q != nullptr;
+  if (!row && !groups) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : slot_expert(a, slot);
@@ -203,7 +212,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     v = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   }
   if (row && lane == 0) a.act[slot * a.ffn + r] = v;
-  if (a.act_q != nullptr) store_block_act_groups(a.act_q + slot * a.act_q_stride, tile, a.ffn, v);
+  if (groups) store_block_act_groups(a.act_q + slot * a.act_q_stride, tile, a.ffn, v);
 }
 
 // The gate-up kernels on tiled Q8_0 rows: 4 blocks per SM (<= 64 registers; results/NOTES.md lesson 6: occupancy
@@ -578,8 +587,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
                        hbuf + router_h_floats(hidden));
     if constexpr (fmt_tiled(F)) {  // h's int8 groups once for the block's 8 warps (tiled rows: hidden % 128 == 0)
       uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
-      store_q8act_vector(hbuf, hq, hidden, kNormThreads);
-      __syncthreads();
+      if constexpr (TM_PROBE_SH_Q8) {
+        store_q8act_vector(hbuf, hq, hidden, kNormThreads);
+        __syncthreads();
+      }
       stamp(3);
       gate_up_block<F, V>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
     } else {
