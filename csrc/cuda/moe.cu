@@ -779,8 +779,10 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once; with xw it also writes the next norm's factor, and the four rows' sum of
-//   squares (one group of norm.cuh's grouped sum) after a named barrier. No term's bits depend on the grouping
-//   (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
+//   squares (one group of norm.cuh's grouped sum) after a named barrier, and with xw_q xw's int8 group of the
+//   block's four rows for the next qkv_rope. Q: every warp multiplies the gate-up's int8 groups (act_q) instead of
+//   rounding act itself, with the reader's L2 prefetch TM_DOWN_PF batches ahead. No term's bits depend on the
+//   grouping (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
