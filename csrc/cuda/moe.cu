@@ -293,10 +293,12 @@ inline bool grouped_experts_gate_up_fits(const Limits& lim, int64_t n_tokens, in
          grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts);
 }
 
-template <Fmt F, bool V>
+// Q: the warps multiply h's int8 groups hq (tiled rows; a row of q8act_bytes(hidden) a token) instead of rounding
+// h per token and lane step: the same bits.
+template <Fmt F, bool V, bool Q>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     grouped_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t n_tokens, int64_t hidden,
-                           int64_t nblocks) {
+                           int64_t nblocks, const uint8_t* __restrict__ hq) {
   __shared__ uint32_t s_pairs[kGroupMaxPairs];
   __shared__ uint32_t s_count;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -337,15 +339,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   auto group = [&](uint32_t i, auto nt) {
     constexpr int NT = decltype(nt)::value;
     const float* xs[NT];
+    const uint8_t* xq[NT];
     int64_t slot[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
       const uint32_t p = s_pairs[i + u];
       slot[u] = slot_of(p);
       xs[u] = h + static_cast<int64_t>(p / slots) * hidden;
+      xq[u] = hq + static_cast<int64_t>(p / slots) * q8act_bytes(hidden);
     }
     float gu[2][NT];
-    warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
+    if constexpr (Q)
+      warp_dot_q8act<F, 2, NT, true>(wr, xq, nblocks, gu);
+    else
+      warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
     if (lane == 0)
 #pragma unroll
       for (int u = 0; u < NT; ++u) a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(gu[0][u]), gu[1][u]);
@@ -357,11 +364,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 
 // One grouped launch of a call's weight set (grid: groups x row tiles).
 template <Fmt F, bool V>
-int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& a, const float* h, int64_t n_tokens,
-                           int64_t hidden, int64_t nblocks, cudaStream_t s) {
+int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& a, const float* h,
+                           const uint8_t* hq, int64_t n_tokens, int64_t hidden, int64_t nblocks, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(a.n_experts + 1), static_cast<unsigned>(ceil_div(a.ffn, kRowsPerBlock)));
-  return launch(lim, fn, grouped_gate_up_kernel<F, V>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens, hidden,
-                nblocks);
+  if constexpr (fmt_tiled(F)) {
+    if (hq != nullptr)
+      return launch(lim, fn, grouped_gate_up_kernel<F, V, true>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h,
+                    n_tokens, hidden, nblocks, hq);
+  }
+  return launch(lim, fn, grouped_gate_up_kernel<F, V, false>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens,
+                hidden, nblocks, hq);
 }
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
@@ -1032,7 +1044,7 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     if (grouped_gate_up_fits(lim, n_tokens, n_pairs, n_tiles, n_experts))
-      return launch_grouped_gate_up<F, V>(lim, fn, a, h, n_tokens, hidden, nblocks, s);
+      return launch_grouped_gate_up<F, V>(lim, fn, a, h, nullptr, n_tokens, hidden, nblocks, s);
     for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
@@ -1046,11 +1058,11 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   });
 }
 
-extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
-                                       int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
-                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
-                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
-  const char* fn = "tm_experts_gate_up";
+// tm_experts_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
+static int experts_gate_up(const char* fn, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                    int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h, const uint8_t* hq,
+                    const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t ffn,
+                    int64_t hidden, cudaStream_t s) {
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
@@ -1061,13 +1073,12 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t total = n_tokens * (ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
   TM_TRY(check_gate_up_blocks(fn, total, n_tokens));
-  const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     if (grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
-      TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, n_tokens, hidden, nblocks, s)));
-      return launch_grouped_gate_up<F, V>(lim, fn, rt, h, n_tokens, hidden, nblocks, s);
+      TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, hq, n_tokens, hidden, nblocks, s)));
+      return launch_grouped_gate_up<F, V>(lim, fn, rt, h, hq, n_tokens, hidden, nblocks, s);
     }
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
@@ -1076,6 +1087,14 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
     }
     return TM_OK;
   });
+}
+
+extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                       int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
+                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+  return experts_gate_up("tm_experts_gate_up", qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, nullptr,
+                         ids, act, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream));
 }
 
 extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,
@@ -1195,6 +1214,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   rt.act_q_stride = q8act_bytes(ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
+  // h's int8 groups in the scratch (tiled rows): the routed blocks' or the grouped GEMMs' activations
+  uint8_t* h_groups = reinterpret_cast<uint8_t*>(scratch + tm_router_gate_up_groups_word(n_tokens, n_experts));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
                                     ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
@@ -1211,8 +1232,16 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                     dim3(kRowsPerBlock * 32), 0, as_stream(stream), gate_inp_sh, h, gate_sh, n_tokens, hidden,
                     f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
     }
-    TM_TRY(tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
-                                   top_k, n_experts, ffn, hidden, stream));
+    // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
+    // would otherwise round each token's h in every warp and lane step.
+    const uint8_t* hq = nullptr;
+    if (fmt_tiled(fmt_for(qtype, hidden)) &&
+        grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
+      TM_TRY(launch_act_groups(lim, fn, h, h_groups, n_tokens, hidden, as_stream(stream)));
+      hq = h_groups;
+    }
+    TM_TRY(experts_gate_up(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, hq, ids, act, n_tokens,
+                           top_k, n_experts, ffn, hidden, as_stream(stream)));
     if (act_groups_sh == nullptr) return TM_OK;
     TM_TRY(launch_act_groups(lim, fn, act_sh, act_groups_sh, n_tokens, ffn_sh, as_stream(stream)));
     return launch_act_groups(lim, fn, act, act_groups, n_tokens * top_k, ffn, as_stream(stream));
@@ -1224,7 +1253,6 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);
-  uint8_t* h_groups = reinterpret_cast<uint8_t*>(sync + tm_router_gate_up_groups_word(n_tokens, n_experts));
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;

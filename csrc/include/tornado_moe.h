@@ -285,10 +285,11 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
  * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden)], 16-byte
  * aligned, all zero before the first call; each call leaves the synchronisation words as the next one continues
- * from them (an epoch; the logits and h's groups are work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
- * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, where
- * the grid would exceed the device's limits, or for a step of several tokens that tm_experts_gate_up runs as grouped
- * GEMMs, CUDA makes the two calls above instead (the same bits; the scratch is not touched). The CPU always does.
+ * from them (an epoch; the logits and h's groups are work space), whatever n_tokens it has. Calls sharing a
+ * scratch must not run at the same time (one stream does that), and nothing else may write it between them. With
+ * more than 64 experts, where the grid would exceed the device's limits, or for a step of several tokens that
+ * tm_experts_gate_up runs as grouped GEMMs, CUDA makes the two calls above instead (the same bits; of the scratch
+ * only h's groups are written, which the grouped GEMMs of tiled rows read). The CPU always does.
  * gate_inp_sh (nullable, float32 [hidden]): the shared expert's gate row; then gate_sh (float32 [n_tokens]) gets
  * gate_sh[t] = sigmoid(dot(gate_inp_sh, h[t, :])), the factor tm_moe_down_accumulate would compute from
  * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every

@@ -168,8 +168,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
     wo = _w(L, "attn_output")
-    # attention's int8 groups, for the output projection when its rows read them (one token a step)
-    attn_groups = act.attn_groups if _takes_groups(wo) and T == 1 and hd % 4 == 0 else None
+    # attention's int8 groups, for the output projection when its rows read them
+    attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
