@@ -33,16 +33,16 @@ int check_ptr(const char* fn, const char* arg, const void* p) {
 }
 
 // An int8 group buffer (tornado_moe.h, tm_act_groups_bytes): given only with `with` (its float buffer), 16-byte
-// aligned (read as 16-byte words), for rows of a multiple of 4 values.
+// aligned (read as 16-byte words), for values whose groups of 4 do not straddle n_name (a row, or a head).
 int check_groups(const char* fn, const char* arg, const void* p, const void* with, const char* with_name,
-                 int64_t n) {
+                 const char* n_name, int64_t n) {
   if (p == nullptr) return TM_OK;
   if (with == nullptr)
     return tm_set_error(kInvalid, "%s: '%s' goes with '%s' (the values whose groups they are)", fn, arg, with_name);
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
     return tm_set_error(kInvalid, "%s: '%s' must be 16-byte aligned", fn, arg);
   if (n % 4 != 0)
-    return tm_set_error(kInvalid, "%s: '%s' needs rows of a multiple of 4 values, got %" PRId64, fn, arg, n);
+    return tm_set_error(kInvalid, "%s: '%s' needs %s a multiple of 4, got %" PRId64, fn, arg, n_name, n);
   return TM_OK;
 }
 
@@ -183,8 +183,8 @@ int check_act_groups(const char* fn, const void* groups_sh, const float* act_sh,
                      const float* act, int64_t ffn) {
   if ((groups_sh == nullptr) != (groups == nullptr))
     return tm_set_error(kInvalid, "%s: give 'act_groups_sh' and 'act_groups' together or neither", fn);
-  TM_TRY(check_groups(fn, "act_groups_sh", groups_sh, act_sh, "act_sh", ffn_sh));
-  return check_groups(fn, "act_groups", groups, act, "act", ffn);
+  TM_TRY(check_groups(fn, "act_groups_sh", groups_sh, act_sh, "act_sh", "ffn_sh", ffn_sh));
+  return check_groups(fn, "act_groups", groups, act, "act", "ffn", ffn);
 }
 
 }  // namespace
@@ -295,7 +295,7 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
   TM_TRY(check_positive(fn, "rows", rows));
   TM_TRY(check_positive(fn, "cols", cols));
   TM_TRY(check_row_length(fn, "cols", qtype, cols));
-  TM_TRY(check_groups(fn, "x_groups", x_groups, x, "x", cols));
+  TM_TRY(check_groups(fn, "x_groups", x_groups, x, "x", "cols", cols));
   return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, x_groups,
                     stream);
 }
@@ -330,7 +330,7 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
   TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
   if ((xw == nullptr) != (xss == nullptr))
     return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
-  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", hidden));
+  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(qkv_rope, device, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
                     n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, xw_groups,
                     stream);
@@ -347,7 +347,7 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
   if (n_heads % n_kv_heads != 0)
     return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
                         n_heads, n_kv_heads);
-  TM_TRY(check_groups(fn, "out_groups", out_groups, out, "out", head_dim));
+  TM_TRY(check_groups(fn, "out_groups", out_groups, out, "out", "head_dim", head_dim));
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                     max_ctx, scratch, out_groups, stream);
 }
@@ -509,7 +509,7 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
     return tm_set_error(kInvalid, "%s: give 'next_norm_w', 'xw' and 'xss' together (the next normalisation's "
                         "factor and partial sums) or none of them", fn);
   TM_TRY(check_act_groups(fn, act_groups_sh, act_sh, ffn_sh, act_groups, act, ffn));
-  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", hidden));
+  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down,
                     act, ids, weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn,
                     act_groups_sh, act_groups, xw_groups, stream);

@@ -117,11 +117,11 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
       return launch(lim, "tm_matmul", kernel, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x, bias, y, n_tokens, rows,
                     cols, row_bytes, nblocks, accumulate, scale, y0, xq);
     };
-    // the groups where the tiled reader takes them
-    constexpr bool kGroups = fmt_tiled(F);
-    if (kGroups && xq != nullptr)
-      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, kGroups>)
-                              : run(matmul_kernel<F, NR, NT, V, false, kGroups>));
+    // x's int8 groups where the tiled reader takes them
+    constexpr bool kReadsGroups = fmt_tiled(F);
+    if (kReadsGroups && xq != nullptr)
+      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, kReadsGroups>)
+                              : run(matmul_kernel<F, NR, NT, V, false, kReadsGroups>));
     else
       TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, false>)
                               : run(matmul_kernel<F, NR, NT, V, false, false>));

@@ -12,10 +12,9 @@
  *   per (row, token) and adds its blocks in increasing step order (Q8_0: its 4 activations are one int8 group of
  *   act_quant.h, codes a and scale 2^e, and acc = fma(d * 2^e, dp4a(q, a), acc), both factors exact;
  *   Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain, IQ4's q the level
- *   kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x,
- *   acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of the lane, in order, fma(d*sc, sum q x, acc)
- *   then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block of the lane, in order, fma(d*scale, sum q x,
- *   acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
+ *   kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of
+ *   the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block
+ *   of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
  *   All arithmetic uses explicit _rn intrinsics, so the compiler cannot contract or reorder it differently in
  *   different instantiations: a row's result does not depend on how many rows or tokens the calling warp handles
  *   at once, nor on the load width.
@@ -650,10 +649,6 @@ __device__ __forceinline__ void store_q8act_vector(const float* x, uint8_t* buf,
   for (int64_t j = threadIdx.x; j < n / 4; j += nthreads)
     store_q8act(buf, j, tm_act::q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]));
 }
-// The tiled reader's prefetch (template parameter PF, the same bits either way): 0 none, or the whole batch PF
-// batches ahead asked for in L2 (one prefetch per 128-byte line, right after this batch's loads). With int8
-// activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose 1,408
-// blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -727,6 +722,9 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
+  // PF > 0: the whole batch PF batches ahead asked for in L2, one prefetch per 128-byte line (the same bits). With
+  // int8 activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose
+  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
   if constexpr (Full && !SM && PF > 0) {
     if (g0 + (PF + 1) * kGroups <= ngroups) {
 #pragma unroll

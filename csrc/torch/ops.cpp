@@ -389,6 +389,8 @@ int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_
   return tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden);
 }
 
+int64_t act_groups_bytes(int64_t n) { return tm_act_groups_bytes(n); }
+
 void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
                          const OptTensor& weights, const OptTensor& gate_inp, const OptTensor& h, const Tensor& x,
                          int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts,
@@ -559,6 +561,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("set_ffn_one_launch(int on) -> ()", &set_ffn_one_launch);
   m.def("version() -> str", &version);
   m.def("router_gate_up_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_gate_up_scratch_words);
+  m.def("act_groups_bytes(int n) -> int", &act_groups_bytes);
   m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
   m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_experts_ffn_scratch_words);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "

@@ -408,7 +408,7 @@ def router_gate_up_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> 
 def act_groups_bytes(n: int) -> int:
     """Bytes of the int8 activation groups of a row of ``n`` values (tornado_moe.h, tm_act_groups_bytes): the
     buffers router_experts_gate_up and experts_down_accumulate write for the next Q8_0 product."""
-    return (n + 511) // 512 * 1024
+    return int(_ops().act_groups_bytes(n))
 
 
 def router_experts_ffn(
