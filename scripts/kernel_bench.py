@@ -57,6 +57,9 @@ DEFERRED_NORM, PARTIAL_SUMS = "xw" in _QKV_ARGS, "xss" in _QKV_ARGS
 # Whether the kernels take the shared-expert gate from the router (v4q): a baseline tree's kernels may not.
 GATE_SH = hasattr(K, "experts_down_accumulate") and (
     "gate_sh" in inspect.signature(K.experts_down_accumulate).parameters)
+# Whether the producers write int8 activation groups for the next Q8_0 product (the q8-act path): then the
+# kernels are timed reading and writing them, as in the model.
+GROUPS = hasattr(K, "act_groups_bytes")
 HOT_L2 = False  # --hot-l2: one copy of every weight and fixed experts, so weights stay in L2 between launches
 
 
@@ -95,6 +98,11 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
     h = torch.randn(1, H, **f32)
     h_next = torch.randn(1, H, **f32)  # the down's xw output
     sums, sums_next = torch.rand(1, H // 4, **f32), torch.empty(1, H // 4, **f32)  # xss read, xss written
+
+    def groups_of(*shape: int) -> torch.Tensor:  # int8 groups of rows of shape[-1] values
+        return torch.zeros(*shape[:-1], K.act_groups_bytes(shape[-1]), dtype=torch.uint8, device="cuda")
+
+    xw_groups = groups_of(1, H) if GROUPS else None  # the down writes them, qkv_rope reads them
     norm_w = 1 + 0.1 * torch.randn(H, **f32)
     pos = torch.tensor([POS], dtype=torch.int32, device="cuda")
     k_cache = torch.randn(CTX, H, **f32)
@@ -121,8 +129,10 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             b = torch.randn(H, **f32)
             # xw as the previous layer's down writes it (trees before the deferred norm take no xw)
             xs = (x, h, sums) if PARTIAL_SUMS else (x, h) if DEFERRED_NORM else (x,)
+            groups = (xw_groups,) if GROUPS else ()
             return lambda i: K.qkv_rope(QT, *xs, norm_w, 1e-6, wq[i % n], wk[i % n], wv[i % n], b, b, b, q,
-                                        k_cache, v_cache, pos, 1, H, HEADS, HEADS, HD, CTX, 1e6, True)
+                                        k_cache, v_cache, pos, 1, H, HEADS, HEADS, HD, CTX, 1e6, True,
+                                        *groups)
         out.append(("attn_qkv (qkv_rope)", 3 * H * rb, qkv))
     matmul("attn_q (one of q/k/v)", H, H, h, q, False)
 
@@ -147,6 +157,7 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
 
     act_sh = torch.randn(1, SFFN, **f32) * 0.1
     act = torch.randn(1, TOPK, FFN, **f32) * 0.1
+    act_sh_groups, act_groups = (groups_of(1, SFFN), groups_of(1, TOPK, FFN)) if GROUPS else (None, None)
     gate_inp = 0.02 * torch.randn(H, **f32)
     gate_sh = torch.rand(1, **f32)
 
@@ -182,11 +193,12 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             wg, wu = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0]
             # other inputs, other experts: rows from DRAM
             xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]
-            scratch = torch.zeros(K.router_gate_up_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            scratch = torch.zeros(K.router_gate_up_scratch_words(1, E, H), dtype=torch.int32, device="cuda")
             gate = (gate_inp, gate_sh) if GATE_SH else ()  # the router blocks compute the shared gate (v4q)
+            groups = (act_sh_groups, act_groups) if GROUPS else ()
             return lambda i: K.router_experts_gate_up(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
-                *gate, wg, wu, act, 1, E, H, TOPK, False, FFN, scratch)
+                *gate, wg, wu, act, 1, E, H, TOPK, False, FFN, scratch, *groups)
         out.append(("router_experts_gate_up (router + shared + 4 of 60)",
                     E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb, router_experts_gate_up))
 
@@ -211,8 +223,10 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             gate = (None, gate_sh) if GATE_SH else (gate_inp,)  # the gate as the router wrote it (v4q on)
             # and the next layer's xw (and xss), as in the model
             xw = (norm_w, h_next, sums_next) if PARTIAL_SUMS else (norm_w, h_next) if DEFERRED_NORM else ()
+            groups = (act_sh_groups, act_groups, xw_groups) if GROUPS else ()
             return lambda i: K.experts_down_accumulate(QT, sd[i % n], act_sh, *gate, SFFN, wd, act,
-                                                       ids_rot[i % 64], wts, h, x, *xw, 1, TOPK, E, H, FFN)
+                                                       ids_rot[i % 64], wts, h, x, *xw, 1, TOPK, E, H, FFN,
+                                                       *groups)
         out.append(("experts_down_accumulate (shared + 4 of 60)", H * (SFFN + TOPK * FFN) // 32 * 34,
                     experts_down))
 
@@ -222,7 +236,8 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             sg, su, sd = q8_0(SFFN, H, n), q8_0(SFFN, H, n), q8_0(H, SFFN, n)
             wg, wu, wd = q8_0(E * FFN, H)[0], q8_0(E * FFN, H)[0], q8_0(E * H, FFN)[0]
             xs = [torch.randn(1, H, **f32) for _ in range(1 if HOT_L2 else 16)]  # other experts each
-            scratch = torch.zeros(K.router_experts_ffn_scratch_words(1, E), dtype=torch.int32, device="cuda")
+            words = K.router_experts_ffn_scratch_words(1, E, H)
+            scratch = torch.zeros(words, dtype=torch.int32, device="cuda")
             return lambda i: K.router_experts_ffn(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], sd[i % n],
                 act_sh, SFFN, gate_inp, gate_sh, wg, wu, wd, act, 1, E, H, TOPK, False, FFN, scratch)

@@ -14,10 +14,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from tornado_moe.reference.model64 import rmsnorm, rope, route_topk
+from tornado_moe.quant.tiled import Q8_0_TILED
+from tornado_moe.reference.model64 import q8_groups, q8_round, rmsnorm, rope, route_topk
 
 __all__ = [
     "K_QTYPES",
+    "dot_input",
     "QTYPES",
     "QTYPE_NAMES",
     "attention",
@@ -76,6 +78,39 @@ def make_weights(
     """Random weights of ``shape``: (raw uint8 bytes as stored in a GGUF, their float64 values)."""
     raw = quantize(rng.standard_normal(shape).astype(np.float32) * scale, qtype)
     return torch.from_numpy(raw.copy()), torch.from_numpy(dequantize(raw, qtype).astype(np.float64))
+
+
+# the types whose dot products round their activations to int8 groups (Q8_0 and its tiled layout)
+Q8_ACT_QTYPES = {QTYPES["Q8_0"], Q8_0_TILED}
+
+
+def dot_input(x: torch.Tensor, qtype: int) -> torch.Tensor:
+    """What a dot product with ``qtype`` weights multiplies ``x`` (float32, as given to the kernel) with, as
+    float64: the values of its int8 groups for Q8_0 (model64.q8_round on the float32 values, exactly the
+    kernels'), x itself for every other type."""
+    x = x.detach().cpu()
+    return (q8_round(x.float()) if qtype in Q8_ACT_QTYPES else x).to(F64)
+
+
+def act_groups(x: torch.Tensor) -> torch.Tensor:
+    """The bytes a producer writes for the int8 groups of the rows of ``x`` (float32 [..., n], n a multiple of
+    4): tornado_moe.h's layout, written out here from model64.q8_groups. Per 512 values 1024 bytes; group j
+    (values 4j .. 4j+3) is step j // 32 of lane j % 32: its 4 codes (int8) at 16 lane + 4 (step % 4) of block
+    j // 128, its float32 scale 512 bytes further. Bytes a short last block does not use stay 0 (as in a
+    buffer that started zeroed)."""
+    x = x.detach().cpu().float()
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    codes, scale = q8_groups(rows)  # [R, G, 4], [R, G, 1]
+    out = np.zeros((rows.shape[0], (n + 511) // 512 * 1024), dtype=np.uint8)
+    j = np.arange(n // 4)
+    off = (j // 128) * 1024 + 16 * (j % 32) + 4 * ((j // 32) % 4)
+    code_bytes = codes.numpy().astype(np.int8).view(np.uint8)  # [R, G, 4]
+    scale_bytes = scale.numpy().astype(np.float32).view(np.uint8)  # [R, G, 4]
+    for b in range(4):
+        out[:, off + b] = code_bytes[:, :, b]
+        out[:, off + 512 + b] = scale_bytes[:, :, b]
+    return torch.from_numpy(out).reshape(*x.shape[:-1], -1)
 
 
 def grouped_sum_sq(x: torch.Tensor, group: int = 4, lanes: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,12 +181,18 @@ def _silu(g: torch.Tensor) -> torch.Tensor:
 
 
 def moe_gate_up(
-    w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, ids: torch.Tensor | None, top_k: int
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    h: torch.Tensor,
+    ids: torch.Tensor | None,
+    top_k: int,
+    qtype: int,
 ) -> torch.Tensor:
-    """act [T, top_k, ffn] = silu(W_gate[e] h) * (W_up[e] h), e = ids[t, s] (expert 0 when ids is None)."""
+    """act [T, top_k, ffn] = silu(W_gate[e] h) * (W_up[e] h), e = ids[t, s] (expert 0 when ids is None), with
+    h as weights of ``qtype`` take it (:func:`dot_input`)."""
     n_tokens = h.shape[0]
     e = torch.zeros(n_tokens, top_k, dtype=torch.long) if ids is None else ids.cpu().long()
-    h64 = h.cpu().to(F64)
+    h64 = dot_input(h, qtype)
     g = torch.einsum("tsfh,th->tsf", w_gate[e], h64)
     u = torch.einsum("tsfh,th->tsf", w_up[e], h64)
     return _silu(g) * u
@@ -166,15 +207,17 @@ def moe_down_accumulate(
     h: torch.Tensor | None,
     x: torch.Tensor,
     slots: range,
+    qtype: int,
 ) -> torch.Tensor:
-    """x + sum over slots of w_eff[t, s] * (W_down[e] act[t, s]); w_eff = weight (or 1) * sigmoid gate."""
+    """x + sum over slots of w_eff[t, s] * (W_down[e] act[t, s]); w_eff = weight (or 1) * sigmoid gate; act as
+    weights of ``qtype`` take it (:func:`dot_input`)."""
     n_tokens, top_k = act.shape[0], act.shape[1]
     e = torch.zeros(n_tokens, top_k, dtype=torch.long) if ids is None else ids.cpu().long()
     w = torch.ones(n_tokens, top_k, dtype=F64) if weights is None else weights.cpu().to(F64)
     if gate_inp is not None:
         w = w * torch.sigmoid(h.cpu().to(F64) @ gate_inp.cpu().to(F64))[:, None]
     out = x.cpu().to(F64).clone()
-    act64 = act.cpu().to(F64)
+    act64 = dot_input(act, qtype)
     for s in slots:
         y = torch.einsum("thf,tf->th", w_down[e[:, s]], act64[:, s])
         out += w[:, s, None] * y

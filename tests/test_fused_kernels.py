@@ -130,7 +130,8 @@ def test_rmsnorm_factors_grouped_sum_bitwise(device: str, dim: int) -> None:
     raw, w64 = ref.make_weights(rng, (40, dim), ref.QTYPES["Q8_0"])
     out = poisoned((n_tokens, 40), device)
     K.matmul(ref.QTYPES["Q8_0"], raw.to(device), xw, None, out, n_tokens, 40, dim, scale=inv)
-    expected = ref.rmsnorm(x.double().cpu(), w.double().cpu(), eps) @ w64.T
+    inv64 = 1.0 / torch.sqrt((x.double().cpu() ** 2).mean(dim=-1, keepdim=True) + eps)
+    expected = (ref.dot_input(xw, ref.QTYPES["Q8_0"]) @ w64.T) * inv64  # Q8_0 takes xw's int8 groups
     assert ref.rel_err(out.cpu(), expected) < TOL_LONG
 
 
@@ -176,9 +177,11 @@ def test_qkv_rope_without_bias_matches_float64() -> None:
     pos = torch.tensor([pos0], dtype=torch.int32)
     K.qkv_rope(8, x, None, None, norm_w, eps, raw, raw, raw, None, None, None, q, kc, vc, pos, n_tokens,
                hidden, n_heads, n_heads, hd, pos0 + n_tokens, base, True)
-    h = ref.rmsnorm(x.double(), norm_w.double(), eps)
+    # the deferred norm: W (x * norm_w), the product's activations as Q8_0 takes them, then / rms(x)
+    inv = 1.0 / torch.sqrt((x.double() ** 2).mean(dim=-1, keepdim=True) + eps)
+    wh = (ref.dot_input(x * norm_w, ref.QTYPES["Q8_0"]) @ w64.T) * inv
     positions = torch.arange(pos0, pos0 + n_tokens)
-    expected = ref.rope((h @ w64.T).view(n_tokens, n_heads, hd), positions, base, True)
+    expected = ref.rope(wh.view(n_tokens, n_heads, hd), positions, base, True)
     assert ref.rel_err(q.view(n_tokens, n_heads, hd), expected) < 1e-5
     assert torch.equal(kc[pos0:], q)  # same weights for k: the same rotated rows
 
@@ -363,7 +366,7 @@ def test_router_experts_gate_up_is_router_then_gate_up_bitwise(device: str, layo
     K.experts_gate_up(qtype, gs, us, sh, ffn_sh, g, u, h, ids, act, n_tokens, top_k, n_experts, ffn, hidden)
     assert not any(torch.isnan(t).any() for t in (h, wt, sh, act)) and (ids >= 0).all()
 
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     calls = [n_tokens, 1, n_tokens] if n_tokens > 1 else [1, 1, 1]
     gates = []
@@ -394,13 +397,16 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, 4, device=device)
-    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts) - 1, dtype=torch.int32,
+    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden) - 1, dtype=torch.int32,
                         device=device)
     router = torch.zeros(n_experts, hidden, device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, None, None, w, w, act,
                                  n_tokens, n_experts, hidden, 2, False, 4, short)
-    assert K.router_gate_up_scratch_words(33, 60) == 64 + 4 * 64 + 2 * 33 * 60  # 2 flag groups, tagged logits
+    # 2 flag groups and the tagged logits, past router_experts_ffn's words (2 * (128 + 4 * 1024)) and on a
+    # 16-byte boundary, then each token's int8 groups of h (256 words per 512 values)
+    assert K.router_gate_up_scratch_words(33, 60, 2048) == 8448 + 33 * 4 * 256
+    assert K.router_gate_up_scratch_words(1000, 10, 600) == 64 + 4 * 1024 + 2 * 1000 * 10 + 1000 * 2 * 256
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -490,7 +496,7 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
     act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
     ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
     wts = torch.zeros(n_tokens, top_k, device=device)
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
                              gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
@@ -507,6 +513,122 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_tokens,n_experts", [(1, 60), (3, 8), (1, 70)])  # 70: the router's own launches
+def test_int8_groups_pass_from_gate_up_to_down_to_qkv_as_the_rounded_floats(device: str, n_tokens: int,
+                                                                            n_experts: int) -> None:
+    """The decode chain's int8 activation groups: router_experts_gate_up writes act_sh's and act's groups
+    beside them, experts_down_accumulate reads those instead of rounding the floats and writes xw's groups,
+    qkv_rope reads those. Every group buffer must hold the bytes of kernel_reference.act_groups (model64's
+    groups, laid out as tornado_moe.h says) of the floats written beside it, and every result must be the bits
+    of the same call without groups (one launch, the grouped prefill path, the router's own launches).
+    ffn = 1408 and ffn_sh = 640: short last blocks of the layout."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    top_k, ffn_sh, ffn, hidden, n_heads, hd = 4, 640, 1408, 256, 4, 32
+    rng = np.random.default_rng(37)
+
+    def weights(shape: tuple[int, ...]) -> torch.Tensor:
+        return tile_q8_0(ref.make_weights(rng, shape, 8, 0.1)[0].to(device), shape[-1])
+
+    def groups(*shape: int) -> torch.Tensor:  # zeroed, as the engine allocates them
+        return torch.zeros(*shape[:-1], K.act_groups_bytes(shape[-1]), dtype=torch.uint8, device=device)
+
+    gs, us = weights((ffn_sh, hidden)), weights((ffn_sh, hidden))
+    g, u = weights((n_experts, ffn, hidden)), weights((n_experts, ffn, hidden))
+    wd_sh, wd = weights((hidden, ffn_sh)), weights((n_experts, hidden, ffn))
+    x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
+    next_w = randn(rng, (hidden,), device)
+    w_router, gate_inp = randn(rng, (n_experts, hidden), device, 0.05), randn(rng, (hidden,), device, 0.05)
+    h, act_sh = poisoned((n_tokens, hidden), device), poisoned((n_tokens, ffn_sh), device)
+    act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
+    ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
+    wts = torch.zeros(n_tokens, top_k, device=device)
+    scratch = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
+                          device=device)
+    act_sh_q, act_q = groups(n_tokens, ffn_sh), groups(n_tokens, top_k, ffn)
+    K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
+                             gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
+                             scratch, act_sh_q, act_q)
+    assert not torch.isnan(act_sh).any() and not torch.isnan(act).any()
+    assert torch.equal(act_sh_q.cpu(), ref.act_groups(act_sh))
+    assert torch.equal(act_q.cpu(), ref.act_groups(act))
+
+    x0 = randn(rng, (n_tokens, hidden), device)
+    outs = []
+    for given in ((None, None, None), (act_sh_q, act_q, groups(n_tokens, hidden))):
+        xo, xw = x0.clone(), poisoned((n_tokens, hidden), device)
+        xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
+        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, None, gate_sh, ffn_sh, wd, act, ids, wts, None,
+                                  xo, next_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn, *given)
+        outs.append((xo, xw, xss, given[2]))
+    (xo, xw, xss, _), (xo_q, xw_q, xss_q, xw_groups) = outs
+    assert not torch.isnan(xo).any() and not torch.equal(xo, x0)
+    assert torch.equal(xo_q, xo) and torch.equal(xw_q, xw) and torch.equal(xss_q, xss)
+    assert torch.equal(xw_groups.cpu(), ref.act_groups(xw))
+
+    wq, wk, wv = (weights((n * hd, hidden)) for n in (n_heads, n_heads, n_heads))
+    pos, max_ctx = torch.tensor([2], dtype=torch.int32, device=device), 2 + n_tokens
+    qkv = []
+    for xw_given in (None, xw_groups):
+        q = poisoned((n_tokens, n_heads * hd), device)
+        kc, vc = poisoned((max_ctx, n_heads * hd), device), poisoned((max_ctx, n_heads * hd), device)
+        K.qkv_rope(Q8_0_TILED, xo, xw, xss, next_w, 1e-6, wq, wk, wv, None, None, None, q, kc, vc, pos,
+                   n_tokens, hidden, n_heads, n_heads, hd, max_ctx, 1e6, True, xw_given)
+        qkv.append((q, kc[2:], vc[2:]))
+    assert not torch.isnan(qkv[0][0]).any()
+    assert all(torch.equal(a, b) for a, b in zip(*qkv, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_tokens,pos0", [(1, 5), (1, 300), (2, 140)])  # 300, 140: the merged partials
+def test_attention_groups_feed_the_output_projection_bitwise(device: str, n_tokens: int, pos0: int) -> None:
+    """attention's out_groups are kernel_reference.act_groups of the out it writes (whichever block writes
+    it), and the output projection that reads them gives the bits of the one that rounds out itself."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    n_heads, n_kv, hd, hidden = 4, 2, 64, 256
+    max_ctx = pos0 + n_tokens
+    rng = np.random.default_rng(41)
+    q = randn(rng, (n_tokens, n_heads * hd), device)
+    kc, vc = randn(rng, (max_ctx, n_kv * hd), device), randn(rng, (max_ctx, n_kv * hd), device)
+    pos = torch.tensor([pos0], dtype=torch.int32, device=device)
+    scratch = torch.zeros(K.attention_scratch_words(n_tokens, n_heads, hd), dtype=torch.int32, device=device)
+    out = poisoned((n_tokens, n_heads * hd), device)
+    out_q = torch.zeros(n_tokens, K.act_groups_bytes(n_heads * hd), dtype=torch.uint8, device=device)
+    K.attention(q, kc, vc, out, pos, n_tokens, n_heads, n_kv, hd, max_ctx, scratch, out_q)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out_q.cpu(), ref.act_groups(out))
+    wo = tile_q8_0(ref.make_weights(rng, (hidden, n_heads * hd), 8, 0.1)[0].to(device), n_heads * hd)
+    x0 = randn(rng, (n_tokens, hidden), device)
+    ys = [x0.clone(), x0.clone()]
+    for y, groups in zip(ys, (None, out_q), strict=True):
+        K.matmul(Q8_0_TILED, wo, out, None, y, n_tokens, hidden, n_heads * hd, True, None, groups)
+    assert not torch.equal(ys[0], x0) and torch.equal(ys[1], ys[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_groups_go_with_their_floats(device: str) -> None:
+    """Group buffers are checked: given with the floats they belong to, both halves' or neither, 16-byte
+    aligned."""
+    n_tokens, n_experts, hidden, ffn = 1, 4, 32, 32
+    w = torch.zeros(n_experts * ffn, 34, dtype=torch.uint8, device=device)
+    x = torch.ones(n_tokens, hidden, device=device)
+    act_sh, act = torch.zeros(n_tokens, ffn, device=device), torch.zeros(n_tokens, 2, ffn, device=device)
+    ids = torch.zeros(n_tokens, 2, dtype=torch.int32, device=device)
+    wt = torch.ones(n_tokens, 2, device=device)
+    q = torch.zeros(n_tokens, 2, K.act_groups_bytes(ffn) + 16, dtype=torch.uint8, device=device)
+    q_sh = torch.zeros(n_tokens, K.act_groups_bytes(ffn) + 16, dtype=torch.uint8, device=device)
+    down = (8, w, act_sh, None, None, ffn, w, act, ids, wt, None, x, None, None, None, n_tokens, 2, n_experts,
+            hidden, ffn)
+    with pytest.raises(RuntimeError, match="together or neither"):
+        K.experts_down_accumulate(*down, q_sh, None, None)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        K.experts_down_accumulate(*down, q_sh.view(-1)[8:], q, None)
+    with pytest.raises(RuntimeError, match="'xw_groups' goes with 'xw'"):
+        K.experts_down_accumulate(*down, None, None, q_sh)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_shared_gate_comes_from_one_place(device: str) -> None:
     """The router's gate row and its output go together; the down takes its gate from gate_inp_sh or from
     gate_sh, not both."""
@@ -515,7 +637,7 @@ def test_the_shared_gate_comes_from_one_place(device: str) -> None:
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act, gate = torch.zeros(1, 2, 4, device=device), torch.zeros(1, device=device)
-    words = K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
     scratch = torch.zeros(words, dtype=torch.int32, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
     with pytest.raises(RuntimeError, match="go together"):
@@ -570,8 +692,8 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
                 poisoned((n_tokens, top_k), device), poisoned((n_tokens, ffn_sh), device),
                 poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device) if gated else None]
 
-    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts)
-    assert words >= K.router_gate_up_scratch_words(n_tokens, n_experts)
+    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden)
+    assert words >= K.router_gate_up_scratch_words(n_tokens, n_experts, hidden)
 
     def two_launches(scratch: torch.Tensor) -> list:
         x, h, ids, wt, sh, act, gate = out = outputs()
@@ -615,20 +737,20 @@ def test_router_experts_ffn_is_gate_up_then_down_bitwise(device: str, gated: boo
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_router_experts_ffn_checks_its_arguments(device: str) -> None:
-    """A scratch too short for it (one router_experts_gate_up would take) and a gate row without its output
-    are errors; GGUF-layout rows are run as the two launches on a GPU."""
+    """A scratch one word short and a gate row without its output are errors; GGUF-layout rows are run as the
+    two launches on a GPU."""
     n_tokens, n_experts, hidden, ffn = 1, 4, 256, 128
     w = torch.zeros(n_experts * hidden * 4, 34, dtype=torch.uint8, device=device)
     x, h = torch.zeros(n_tokens, hidden, device=device), torch.zeros(n_tokens, hidden, device=device)
     ids, wt = torch.zeros(1, 2, dtype=torch.int32, device=device), torch.zeros(1, 2, device=device)
     act = torch.zeros(1, 2, ffn, device=device)
     router, gate_inp = torch.zeros(n_experts, hidden, device=device), torch.zeros(hidden, device=device)
-    short = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts), dtype=torch.int32, device=device)
+    words = K.router_experts_ffn_scratch_words(n_tokens, n_experts, hidden)
+    short = torch.zeros(words - 1, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="scratch"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, None, None, w, w, w,
                              act, n_tokens, n_experts, hidden, 2, False, ffn, short)
-    scratch = torch.zeros(K.router_experts_ffn_scratch_words(n_tokens, n_experts), dtype=torch.int32,
-                          device=device)
+    scratch = torch.zeros(words, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="go together"):
         K.router_experts_ffn(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, w, act, ffn, gate_inp, None, w, w, w,
                              act, n_tokens, n_experts, hidden, 2, False, ffn, scratch)
@@ -697,7 +819,7 @@ def test_matmul_long_rows_and_any_alignment(device: str, qtype: int, cols: int) 
     y = poisoned((n_tokens, rows), device)
     K.matmul(qtype, raw.to(device), x, None, y, n_tokens, rows, cols)
     assert not torch.isnan(y).any()
-    assert ref.rel_err(y, x.cpu().double() @ w64.T) < TOL_LONG
+    assert ref.rel_err(y, ref.dot_input(x, qtype) @ w64.T) < TOL_LONG
     # the same bytes 2 (4 for F32) and 6 bytes off a 16-byte boundary: the same bits
     for offset in ((4, 12) if qtype == ref.QTYPES["F32"] else (2, 6)):
         y_off = poisoned((n_tokens, rows), device)
@@ -720,14 +842,14 @@ def test_moe_with_multi_chunk_rows(device: str, qtype: int) -> None:
     act = poisoned((n_tokens, top_k, 8), device)
     K.moe_gate_up(qtype, wg_raw.to(device), wu_raw.to(device), h, ids, act, n_tokens, top_k, 0, top_k,
                   n_experts, 8, hidden)
-    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k)) < TOL_LONG
+    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k, qtype)) < TOL_LONG
     # down over rows of 2112 values (the activations are made up: only the down product is under test here)
     act_d = randn(rng, (n_tokens, top_k, ffn), device)
     x0 = randn(rng, (n_tokens, 24), device)
     fused = x0.clone()
     K.moe_down_accumulate(qtype, wd_raw.to(device), act_d, ids, weights, None, None, fused, n_tokens, top_k,
                           0, top_k, n_experts, 24, ffn)
-    expected = ref.moe_down_accumulate(wd, act_d, ids, weights, None, None, x0, range(top_k))
+    expected = ref.moe_down_accumulate(wd, act_d, ids, weights, None, None, x0, range(top_k), qtype)
     assert ref.rel_err(fused, expected) < TOL_LONG
     per_slot = x0.clone()
     for s in range(top_k):

@@ -84,9 +84,10 @@ def _pipeline(device: str) -> Pipeline:
     embed = TaskGraph("embed").task("embedding", "embedding", F32, t["table"], t["ids"], t["x"], T, VOCAB, H)
     layer = (TaskGraph("layer")
              .task("norm", "rmsnorm", t["x"], t["norm_w"], t["h"], T, H, EPS)
-             .task("proj", "matmul", F32, t["proj"], t["h"], t["proj_b"], t["x"], T, H, H, True, None)
+             .task("proj", "matmul", F32, t["proj"], t["h"], t["proj_b"], t["x"], T, H, H, True, None, None)
              .task("norm2", "rmsnorm", t["x"], t["norm_w"], t["h2"], T, H, EPS)
-             .task("output", "matmul", Q8_0, t["out_w"], t["h2"], None, t["logits"], T, OUT, H, False, None)
+             .task("output", "matmul", Q8_0, t["out_w"], t["h2"], None, t["logits"], T, OUT, H, False, None,
+                   None)
              .task("argmax", "argmax", t["logits"], t["next"], T, OUT))
     p = Pipeline(t, (embed.snapshot(), layer.snapshot()))
     p.reset_outputs()
@@ -108,7 +109,7 @@ def _float64_logits() -> torch.Tensor:
     out = torch.from_numpy(ref.dequantize(d["out_w"], Q8_0)).double()
     x = table[torch.from_numpy(d["ids"]).long()]
     x = x + (ref.rmsnorm(x, w, EPS) @ proj.T + torch.from_numpy(d["proj_b"]).double())
-    return ref.rmsnorm(x, w, EPS) @ out.T
+    return ref.dot_input(ref.rmsnorm(x, w, EPS), Q8_0) @ out.T  # Q8_0 takes h's int8 groups
 
 
 def _sync(device: str) -> None:

@@ -125,13 +125,13 @@ def test_router_shortcut_is_the_chunked_router_bitwise(limits: None, normalize: 
 
 
 def grouped_gate_up(
-    w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, ids: torch.Tensor
+    w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, qtype: int
 ) -> torch.Tensor:
     """float64 reference of gate-up for many pairs, one matrix product per expert (no [T, k, ffn, hidden])."""
     n_tokens, top_k = ids.shape
     dev = h.device
     act = torch.empty(n_tokens, top_k, w_gate.shape[1], dtype=torch.float64, device=dev)
-    h64, ids_l = h.double(), ids.long()
+    h64, ids_l = ref.dot_input(h, qtype).to(dev), ids.long()
     for e in torch.unique(ids_l).tolist():
         t, s = torch.nonzero(ids_l == e, as_tuple=True)
         g = h64[t] @ w_gate[e].to(dev).T
@@ -156,7 +156,7 @@ def test_gate_up_with_more_than_65535_token_slot_pairs() -> None:
         Q8_0, wg_raw.cuda(), wu_raw.cuda(), h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden
     )
     assert not torch.isnan(act).any()
-    assert ref.rel_err(act, grouped_gate_up(wg, wu, h, ids)) < TOL
+    assert ref.rel_err(act, grouped_gate_up(wg, wu, h, ids, Q8_0)) < TOL
     # the down projection over the same pairs
     weights = torch.rand(n_tokens, top_k, device="cuda")
     x0 = torch.randn(n_tokens, hidden, device="cuda")
@@ -180,7 +180,7 @@ def test_gate_up_with_more_than_65535_token_slot_pairs() -> None:
     )
     x_ref, wd_cuda = x0.double(), wd.cuda()
     for s in range(top_k):
-        y = torch.einsum("thf,tf->th", wd_cuda[ids[:, s].long()], act[:, s].double())
+        y = torch.einsum("thf,tf->th", wd_cuda[ids[:, s].long()], ref.dot_input(act[:, s], Q8_0).cuda())
         x_ref = x_ref + weights[:, s, None].double() * y
     assert ref.rel_err(x, x_ref) < TOL
 
@@ -223,9 +223,9 @@ def test_thousands_of_experts(device: str) -> None:
         ffn,
         hidden,
     )
-    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k)) < TOL
+    assert ref.rel_err(act, ref.moe_gate_up(wg, wu, h, ids, top_k, Q8_0)) < TOL
     x = torch.from_numpy(rng.standard_normal((n_tokens, hidden)).astype(np.float32)).to(device)
-    x_ref = ref.moe_down_accumulate(wd, act, ids, weights, None, None, x, range(top_k))
+    x_ref = ref.moe_down_accumulate(wd, act, ids, weights, None, None, x, range(top_k), Q8_0)
     K.moe_down_accumulate(
         Q8_0,
         wd_raw.to(device),

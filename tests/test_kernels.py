@@ -23,6 +23,7 @@ from conftest import attention_scratch, device_params, write_late
 
 from tornado_moe import kernels as K
 from tornado_moe.native import NativeLibraryNotFoundError, library_path
+from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
 TOL_RMSNORM = 1e-6  # one float32 sum of squares, then three roundings per element
 TOL_ROPE = 1e-5  # positions < 32: room for float32 angles (the CPU evaluates them in double)
@@ -145,7 +146,7 @@ def test_matmul(device: str, qtype: int, n_tokens: int) -> None:
     raw, w64 = ref.make_weights(rng, (rows, cols), qtype)
     w = raw.to(device)
     x, bias = randn(rng, (n_tokens, cols), device), randn(rng, (rows,), device)
-    expected = x.cpu().double() @ w64.T
+    expected = ref.dot_input(x, qtype) @ w64.T
 
     y = poisoned((n_tokens, rows), device)
     K.matmul(qtype, w, x, None, y, n_tokens, rows, cols)
@@ -454,7 +455,7 @@ def test_moe_gate_up(device: str, qtype: int, shape: tuple[int, ...]) -> None:
     act = poisoned((n_tokens, top_k, ffn), device)
     K.moe_gate_up(qtype, wg, wu, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
     assert_written(act)
-    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, ids, top_k)) < TOL_MATMUL
+    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, ids, top_k, qtype)) < TOL_MATMUL
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -467,9 +468,9 @@ def test_dense_ffn_is_one_expert_without_ids(device: str, qtype: int) -> None:
     h = randn(rng, (n_tokens, hidden), device)
     act = poisoned((n_tokens, 1, ffn), device)
     K.moe_gate_up(qtype, wg, wu, h, None, act, n_tokens, 1, 0, 1, 1, ffn, hidden)
-    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, None, 1)) < TOL_MATMUL
+    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, None, 1, qtype)) < TOL_MATMUL
     gate_inp, x = randn(rng, (hidden,), device, 0.1), randn(rng, (n_tokens, hidden), device)
-    x_ref = ref.moe_down_accumulate(wd64, act, None, None, gate_inp, h, x, range(1))
+    x_ref = ref.moe_down_accumulate(wd64, act, None, None, gate_inp, h, x, range(1), qtype)
     K.moe_down_accumulate(qtype, wd, act, None, None, gate_inp, h, x, n_tokens, 1, 0, 1, 1, hidden, ffn)
     assert ref.rel_err(x, x_ref) < TOL_MATMUL
 
@@ -494,7 +495,7 @@ def test_moe_down_accumulate(
     gate_inp = randn(rng, (hidden,), device, 0.2) if with_gate else None
     h = randn(rng, (n_tokens, hidden), device) if with_gate else None
     x = randn(rng, (n_tokens, hidden), device)
-    x_ref = ref.moe_down_accumulate(wd64, act, ids, weights, gate_inp, h, x, range(top_k))
+    x_ref = ref.moe_down_accumulate(wd64, act, ids, weights, gate_inp, h, x, range(top_k), qtype)
     K.moe_down_accumulate(
         qtype, wd, act, ids, weights, gate_inp, h, x, n_tokens, top_k, 0, top_k, n_experts, hidden, ffn
     )
@@ -557,6 +558,53 @@ def test_moe_fused_equals_per_slot_bitwise(device: str, qtype: int, with_gate: b
 # ---- K types (256-value super-blocks) ----------------------------------------------------------------------
 
 
+def _q8_0_identity(n: int) -> torch.Tensor:
+    """Raw Q8_0 rows of the n x n identity: d = 1 (fp16) and code 1 at the diagonal, so W x is exactly the
+    values the kernel multiplies x's activations as."""
+    block = np.zeros((n, n // 32, 34), dtype=np.uint8)
+    block[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for r in range(n):
+        block[r, r // 32, 2 + r % 32] = 1
+    return torch.from_numpy(block.reshape(n, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiled", [False, True], ids=["gguf", "tiled"])
+def test_q8_0_products_take_int8_activation_groups(device: str, tiled: bool) -> None:
+    """A Q8_0 dot product multiplies each group of 4 activations as int8 codes times a power of two
+    (csrc/common/act_quant.h): through the identity, the kernel returns those values, bitwise the
+    reference's q8_round, on ties (to even), the 127.5 boundary, tiny groups (to 0), huge and subnormal
+    values; a NaN or an infinity makes the token's every product NaN."""
+    n = 128
+    edge = [1.0, 0.5, -0.25, 0.0,  # exact codes 64, 32, -16, 0
+            100.0, 2.5, -3.5, 0.5,  # scale 1: ties 2.5 -> 2, -3.5 -> -4, 0.5 -> 0
+            127.5, 1.0, 3.0, -1.0,  # 127.5 does not fit 7 bits: scale 2
+            127.49998, 1.5, -0.5, 2.0,  # just below: scale 1
+            1e-31, -2e-31, 0.0, 5e-32,  # below 2^-100: zeros
+            2.0**-100, -(2.0**-101), 2.0**-120, 0.0,  # at the limit: kept
+            3e38, -1e38, 1.0, 0.0,  # huge (scale 2^121)
+            1e-3, 1e-40, -1e-44, 3e-39]  # subnormals beside a normal value
+    rng = np.random.default_rng(7)
+    rest = rng.standard_normal(n - len(edge)).astype(np.float32)
+    x = np.concatenate([np.array(edge, dtype=np.float32), rest])
+    rows = np.stack([x, x * np.float32(1e-3), x[::-1].copy(), x, x])
+    rows[3, 9] = np.nan
+    rows[4, 70] = np.inf
+    xs = torch.from_numpy(rows).to(device)
+    raw = _q8_0_identity(n)
+    qtype = Q8_0_TILED if tiled else ref.QTYPES["Q8_0"]
+    w = (tile_q8_0(raw, n) if tiled else raw).to(device)
+    y = poisoned((5, n), device)
+    K.matmul(qtype, w, xs, None, y, 5, n, n)
+    expected = ref.q8_round(xs[:3].cpu())  # model64.q8_round
+    hand = [1.0, 0.5, -0.25, 0.0, 100.0, 2.0, -4.0, 0.0, 128.0, 0.0, 4.0, 0.0, 127.0, 2.0, 0.0, 2.0,
+            0.0, 0.0, 0.0, 0.0]
+    assert expected[0, :20].tolist() == hand  # the definition, worked by hand for the first groups
+    assert torch.equal(y[:3].cpu(), expected)
+    assert torch.isnan(y[3:]).all()
+    assert not torch.equal(expected, xs[:3].cpu())  # the rounding is real: this test can fail
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype", K_QTYPE_PARAMS)
 @pytest.mark.parametrize("n_tokens", [1, 3])
@@ -592,7 +640,7 @@ def test_k_types_experts(device: str, qtype: int) -> None:
     weights = torch.rand(n_tokens, top_k).to(device)
     act = poisoned((n_tokens, top_k, ffn), device)
     K.moe_gate_up(qtype, wg, wu, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
-    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, ids, top_k)) < TOL_MATMUL
+    assert ref.rel_err(act, ref.moe_gate_up(wg64, wu64, h, ids, top_k, qtype)) < TOL_MATMUL
     per_slot = poisoned((n_tokens, top_k, ffn), device)
     for s in range(top_k):
         K.moe_gate_up(qtype, wg, wu, h, ids, per_slot, n_tokens, top_k, s, 1, n_experts, ffn, hidden)
@@ -601,7 +649,7 @@ def test_k_types_experts(device: str, qtype: int) -> None:
     x = x0.clone()
     K.moe_down_accumulate(qtype, wd, act, ids, weights, None, None, x, n_tokens, top_k, 0, top_k, n_experts,
                           hidden, ffn)
-    x_ref = ref.moe_down_accumulate(wd64, act, ids, weights, None, None, x0, range(top_k))
+    x_ref = ref.moe_down_accumulate(wd64, act, ids, weights, None, None, x0, range(top_k), qtype)
     assert ref.rel_err(x, x_ref) < TOL_MATMUL
     x_slots = x0.clone()
     for s in range(top_k):
@@ -897,20 +945,20 @@ def test_kernel_table() -> None:
     assert b"unknown kernel index 99" in lib.tm_last_error()
     assert invoke(lib, "argmax", "cpu", [0, 0, 1]) == -1
     assert b"tm_invoke(argmax): got 3 argument words, the signature 'ppii' needs 4" in lib.tm_last_error()
-    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 9) == -1  # a qtype word that does not fit an int
+    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 10) == -1  # a qtype word that does not fit an int
     assert lib.tm_cuda_compiled() == int(K.cuda_compiled())
 
 
 def test_c_abi_device_errors() -> None:
     lib = c_library()
     x = torch.zeros(32)
-    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0, 0]
-    arr = (ctypes.c_uint64 * 10)(*words)
-    assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 7, arr, 10, None) == -1
+    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0, 0, 0]
+    arr = (ctypes.c_uint64 * len(words))(*words)
+    assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 7, arr, len(words), None) == -1
     assert b"tm_matmul: unknown device 7" in lib.tm_last_error()
     if not lib.tm_cuda_compiled():
         assert lib.tm_cuda_device_count() == 0
-        assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 1, arr, 10, None) == -3  # TM_ERR_NO_CUDA
+        assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 1, arr, len(words), None) == -3  # TM_ERR_NO_CUDA
         assert b"built without CUDA" in lib.tm_last_error()
 
 
@@ -932,7 +980,7 @@ def test_invoke_marshals_like_the_torch_ops(device: str) -> None:
             "matmul",
             device,
             [qtype, w.data_ptr(), x.data_ptr(), bias.data_ptr(), y_c.data_ptr(), n_tokens, rows, cols, 1,
-             scale.data_ptr()],
+             scale.data_ptr(), 0],
             stream,
         )
         == 0

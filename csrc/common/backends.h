@@ -30,7 +30,8 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##rmsnorm_factors(const float* x, const float* w, float* xw, float* xss, float* inv,             \
                               int64_t n_tokens, int64_t dim, float eps, void* stream);                       \
   int PREFIX##matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,  \
-                     int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);           \
+                     int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,  \
+                     void* stream);                                                                           \
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \
@@ -40,10 +41,11 @@ int tm_set_error(int status, const char* fmt, ...);
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v,       \
                        float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,             \
                        int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,       \
-                       float freq_base, int neox, void* stream);                                                    \
+                       float freq_base, int neox, const uint8_t* xw_groups, void* stream);                          \
   int PREFIX##attention(const float* q, const float* k_cache, const float* v_cache, float* out,               \
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,             \
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);                   \
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups,             \
+                        void* stream);                                                                        \
   int PREFIX##router_topk(const float* w_router, const float* h, int32_t* ids, float* weights,                \
                           int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,  \
                           void* stream);                                                                       \
@@ -63,7 +65,8 @@ int tm_set_error(int status, const char* fmt, ...);
                                      int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,              \
                                      const void* w_gate, const void* w_up, float* act,                      \
                                      int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,    \
-                                     int normalize, int64_t ffn, int32_t* scratch, void* stream);           \
+                                     int normalize, int64_t ffn, int32_t* scratch, uint8_t* act_groups_sh,  \
+                                     uint8_t* act_groups, void* stream);                                    \
   int PREFIX##moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,         \
                                   const float* weights, const float* gate_inp, const float* h, float* x,      \
                                   int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,     \
@@ -75,7 +78,9 @@ int tm_set_error(int status, const char* fmt, ...);
                                       const float* h, float* x, const float* next_norm_w, float* xw,         \
                                       float* xss,                                                            \
                                       int64_t n_tokens, int64_t top_k,                                       \
-                                      int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);         \
+                                      int64_t n_experts, int64_t hidden, int64_t ffn,                        \
+                                      const uint8_t* act_groups_sh, const uint8_t* act_groups,               \
+                                      uint8_t* xw_groups, void* stream);                                     \
   int PREFIX##argmax(const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab, void* stream);       \
   int PREFIX##sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,         \
                      int64_t top_k, uint64_t seed, const int32_t* step, void* stream);                        \

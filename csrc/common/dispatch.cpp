@@ -32,6 +32,20 @@ int check_ptr(const char* fn, const char* arg, const void* p) {
   return tm_set_error(kInvalid, "%s: argument '%s' is a null pointer", fn, arg);
 }
 
+// An int8 group buffer (tornado_moe.h, tm_act_groups_bytes): given only with `with` (its float buffer), 16-byte
+// aligned (read as 16-byte words), for values whose groups of 4 do not straddle n_name (a row, or a head).
+int check_groups(const char* fn, const char* arg, const void* p, const void* with, const char* with_name,
+                 const char* n_name, int64_t n) {
+  if (p == nullptr) return TM_OK;
+  if (with == nullptr)
+    return tm_set_error(kInvalid, "%s: '%s' goes with '%s' (the values whose groups they are)", fn, arg, with_name);
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    return tm_set_error(kInvalid, "%s: '%s' must be 16-byte aligned", fn, arg);
+  if (n % 4 != 0)
+    return tm_set_error(kInvalid, "%s: '%s' needs %s a multiple of 4, got %" PRId64, fn, arg, n_name, n);
+  return TM_OK;
+}
+
 int check_positive(const char* fn, const char* arg, int64_t v) {
   if (v > 0) return TM_OK;
   return tm_set_error(kInvalid, "%s: argument '%s' must be > 0, got %" PRId64, fn, arg, v);
@@ -163,6 +177,16 @@ int check_down_args(const char* fn, int qtype, const char* w_name, const void* w
   return check_row_length(fn, ffn_name, qtype, ffn);
 }
 
+// The two halves' int8 groups (tm_router_experts_gate_up writes them, tm_experts_down_accumulate reads them):
+// both or neither.
+int check_act_groups(const char* fn, const void* groups_sh, const float* act_sh, int64_t ffn_sh, const void* groups,
+                     const float* act, int64_t ffn) {
+  if ((groups_sh == nullptr) != (groups == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'act_groups_sh' and 'act_groups' together or neither", fn);
+  TM_TRY(check_groups(fn, "act_groups_sh", groups_sh, act_sh, "act_sh", "ffn_sh", ffn_sh));
+  return check_groups(fn, "act_groups", groups, act, "act", "ffn", ffn);
+}
+
 }  // namespace
 
 #define TM_FORWARD(kernel, device, ...)                                                              \
@@ -259,7 +283,8 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 }
 
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream) {
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
+                     const uint8_t* x_groups, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -270,7 +295,9 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
   TM_TRY(check_positive(fn, "rows", rows));
   TM_TRY(check_positive(fn, "cols", cols));
   TM_TRY(check_row_length(fn, "cols", qtype, cols));
-  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, stream);
+  TM_TRY(check_groups(fn, "x_groups", x_groups, x, "x", "cols", cols));
+  return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, x_groups,
+                    stream);
 }
 
 TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
@@ -291,7 +318,7 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
-                       int neox, void* stream) {
+                       int neox, const uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -303,13 +330,15 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
   TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
   if ((xw == nullptr) != (xss == nullptr))
     return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
+  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(qkv_rope, device, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, stream);
+                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, xw_groups,
+                    stream);
 }
 
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream) {
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_ptr(fn, "out", out));
@@ -318,8 +347,9 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
   if (n_heads % n_kv_heads != 0)
     return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
                         n_heads, n_kv_heads);
+  TM_TRY(check_groups(fn, "out_groups", out_groups, out, "out", "head_dim", head_dim));
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
-                    max_ctx, scratch, stream);
+                    max_ctx, scratch, out_groups, stream);
 }
 
 TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,
@@ -394,15 +424,16 @@ TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const flo
                                      const float* gate_inp_sh, float* gate_sh, const void* w_gate,
                                      const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
                                      int64_t hidden, int64_t top_k, int normalize, int64_t ffn, int32_t* scratch,
-                                     void* stream) {
+                                     uint8_t* act_groups_sh, uint8_t* act_groups, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_router_experts_gate_up_args(fn, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                            act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                            n_experts, hidden, top_k, ffn, scratch));
+  TM_TRY(check_act_groups(fn, act_groups_sh, act_sh, ffn_sh, act_groups, act, ffn));
   return TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
-                    top_k, normalize ? 1 : 0, ffn, scratch, stream);
+                    top_k, normalize ? 1 : 0, ffn, scratch, act_groups_sh, act_groups, stream);
 }
 
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
@@ -432,9 +463,10 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
   // the two calls it stands for, on either backend
   TM_TRY(TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
-                    top_k, norm, ffn, scratch, stream));
+                    top_k, norm, ffn, scratch, nullptr, nullptr, stream));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act,
-                    ids, weights, h, x, nullptr, nullptr, nullptr, n_tokens, top_k, n_experts, hidden, ffn, stream);
+                    ids, weights, h, x, nullptr, nullptr, nullptr, n_tokens, top_k, n_experts, hidden, ffn, nullptr,
+                    nullptr, nullptr, stream);
 }
 
 TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
@@ -461,7 +493,8 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
                                       const void* w_down, const float* act, const int32_t* ids,
                                       const float* weights, const float* h, float* x, const float* next_norm_w,
                                       float* xw, float* xss, int64_t n_tokens, int64_t top_k, int64_t n_experts,
-                                      int64_t hidden, int64_t ffn, void* stream) {
+                                      int64_t hidden, int64_t ffn, const uint8_t* act_groups_sh,
+                                      const uint8_t* act_groups, uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_device(fn, device));
   if (gate_inp_sh != nullptr && gate_sh != nullptr)
@@ -475,8 +508,11 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
   if ((next_norm_w == nullptr) != (xw == nullptr) || (xw == nullptr) != (xss == nullptr))
     return tm_set_error(kInvalid, "%s: give 'next_norm_w', 'xw' and 'xss' together (the next normalisation's "
                         "factor and partial sums) or none of them", fn);
+  TM_TRY(check_act_groups(fn, act_groups_sh, act_sh, ffn_sh, act_groups, act, ffn));
+  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down,
-                    act, ids, weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn, stream);
+                    act, ids, weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn,
+                    act_groups_sh, act_groups, xw_groups, stream);
 }
 
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,

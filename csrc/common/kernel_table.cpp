@@ -53,10 +53,11 @@ const KernelRow kKernels[] = {
                                  ptr<float>(a[3]), ptr<float>(a[4]), i64(a[5]), i64(a[6]), f32(a[7]), s);
      },
      0},
-    {"matmul", "qppnpiiibn",
+    {"matmul", "qppnpiiibnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_matmul(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
-                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]), s);
+                        ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]),
+                        ptr<const uint8_t>(a[10]), s);
      },
      0},
     {"rope_kv_append", "ppppppiiiiifb",
@@ -66,21 +67,21 @@ const KernelRow kKernels[] = {
                                 i64(a[8]), i64(a[9]), i64(a[10]), f32(a[11]), i32(a[12]), s);
      },
      0},
-    {"qkv_rope", "qpnnpfpppnnnppppiiiiiifb",
+    {"qkv_rope", "qpnnpfpppnnnppppiiiiiifbn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_qkv_rope(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
                           ptr<const float>(a[4]), f32(a[5]), ptr<const void>(a[6]), ptr<const void>(a[7]),
                           ptr<const void>(a[8]), ptr<const float>(a[9]), ptr<const float>(a[10]),
                           ptr<const float>(a[11]), ptr<float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
                           ptr<const int32_t>(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]),
-                          i64(a[21]), f32(a[22]), i32(a[23]), s);
+                          i64(a[21]), f32(a[22]), i32(a[23]), ptr<const uint8_t>(a[24]), s);
      },
      0},
-    {"attention", "pppppiiiiip",
+    {"attention", "pppppiiiiipn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_attention(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]),
                            ptr<float>(a[3]), ptr<const int32_t>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i64(a[8]),
-                           i64(a[9]), ptr<int32_t>(a[10]), s);
+                           i64(a[9]), ptr<int32_t>(a[10]), ptr<uint8_t>(a[11]), s);
      },
      0},
     {"router_topk", "ppppiiiib",
@@ -111,7 +112,7 @@ const KernelRow kKernels[] = {
                                  i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibip",
+    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibipnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_experts_gate_up(d, ptr<const float>(a[0]), ptr<const float>(a[1]), f32(a[2]),
                                         ptr<float>(a[3]), ptr<const float>(a[4]), ptr<int32_t>(a[5]),
@@ -119,7 +120,7 @@ const KernelRow kKernels[] = {
                                         ptr<float>(a[10]), i64(a[11]), ptr<const float>(a[12]), ptr<float>(a[13]),
                                         ptr<const void>(a[14]), ptr<const void>(a[15]), ptr<float>(a[16]),
                                         i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]), i32(a[21]), i64(a[22]),
-                                        ptr<int32_t>(a[23]), s);
+                                        ptr<int32_t>(a[23]), ptr<uint8_t>(a[24]), ptr<uint8_t>(a[25]), s);
      },
      0},
     {"router_experts_ffn", "ppfppppqppppinnppppiiiibip",
@@ -141,14 +142,16 @@ const KernelRow kKernels[] = {
                                      i64(a[11]), i64(a[12]), i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"experts_down_accumulate", "qppnnipppnnpnnniiiii",
+    {"experts_down_accumulate", "qppnnipppnnpnnniiiiinnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_experts_down_accumulate(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]),
                                          ptr<const float>(a[3]), ptr<const float>(a[4]), i64(a[5]),
                                          ptr<const void>(a[6]), ptr<const float>(a[7]), ptr<const int32_t>(a[8]),
                                          ptr<const float>(a[9]), ptr<const float>(a[10]), ptr<float>(a[11]),
                                          ptr<const float>(a[12]), ptr<float>(a[13]), ptr<float>(a[14]),
-                                         i64(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]), s);
+                                         i64(a[15]), i64(a[16]), i64(a[17]), i64(a[18]), i64(a[19]),
+                                         ptr<const uint8_t>(a[20]), ptr<const uint8_t>(a[21]), ptr<uint8_t>(a[22]),
+                                         s);
      },
      0},
     {"argmax", "ppii",

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "act_quant.h"
 #include "backends.h"
 #include "cpu_math.h"
 
@@ -129,7 +130,7 @@ extern "C" int tm_cpu_rope_kv_append(float* q, const float* k, const float* v, f
 extern "C" int tm_cpu_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                                 const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
                                 int64_t head_dim, int64_t max_ctx, int32_t* /*scratch: the CUDA kernel's*/,
-                                void* stream) {
+                                uint8_t* out_groups, void* stream) {
   int status = check_positions("tm_attention", pos, n_tokens, max_ctx);
   if (status != TM_OK) return status;
   const int64_t p0 = pos[0];
@@ -164,5 +165,6 @@ extern "C" int tm_cpu_attention(const float* q, const float* k_cache, const floa
       for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[d] / l;
     }
   }
+  if (out_groups != nullptr) tm_act::store_row_groups(out, out_groups, n_tokens, n_heads * head_dim);
   return TM_OK;
 }

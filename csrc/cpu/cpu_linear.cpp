@@ -6,6 +6,7 @@
 #include <cinttypes>
 #include <vector>
 
+#include "act_quant.h"
 #include "backends.h"
 #include "cpu_math.h"
 #include "quant_blocks.h"
@@ -13,6 +14,15 @@
 using namespace tm_cpu;
 
 namespace {
+
+// The activations a dot product with weights of qtype multiplies: for Q8_0 (either layout) the values of their
+// int8 groups (act_quant.h, as the CUDA reader takes them), rounded once into buf; x itself for every other type.
+const float* dot_input(int qtype, const float* x, int64_t n, std::vector<float>& buf) {
+  if (qtype != TM_Q8_0 && qtype != TM_Q8_0_TILED) return x;
+  buf.resize(static_cast<size_t>(n));
+  tm_act::q8_round(x, buf.data(), n);
+  return buf.data();
+}
 
 // (token, slot) pairs of a call grouped by expert, in (token, slot) order inside each group.
 struct ExpertGroups {
@@ -76,10 +86,12 @@ extern "C" int tm_cpu_embedding(int qtype, const void* table, const int32_t* ids
 
 extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const float* bias, float* y,
                              int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                             void* stream) {
+                             const uint8_t* /*x_groups: the values x rounds to here*/, void* stream) {
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, cols);
   const int64_t n_tiles = (rows + kRowTile - 1) / kRowTile;
+  std::vector<float> x_q;
+  x = dot_input(qtype, x, n_tokens * cols, x_q);
 #pragma omp parallel if (n_tokens * rows * cols > kParallelWork)
   {
     std::vector<float> tile(static_cast<size_t>(kRowTile * cols));
@@ -118,6 +130,8 @@ extern "C" int tm_cpu_moe_gate_up(int qtype, const void* w_gate, const void* w_u
   const int64_t expert_bytes = ffn * row_bytes;
   const int64_t n_tiles = (ffn + kRowTile - 1) / kRowTile;
   const int64_t n_items = static_cast<int64_t>(g.experts.size()) * n_tiles;
+  std::vector<float> h_q;
+  h = dot_input(qtype, h, n_tokens * hidden, h_q);
 #pragma omp parallel if (2 * n_tokens * slot_count * ffn * hidden > kParallelWork)
   {
     std::vector<float> gate_tile(static_cast<size_t>(kRowTile * hidden));
@@ -177,6 +191,8 @@ extern "C" int tm_cpu_moe_down_accumulate(int qtype, const void* w_down, const f
 
   const uint8_t* base = static_cast<const uint8_t*>(w_down);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, ffn);
+  std::vector<float> act_q;
+  act = dot_input(qtype, act, n_tokens * top_k * ffn, act_q);
   const int64_t expert_bytes = hidden * row_bytes;
   const int64_t n_tiles = (hidden + kRowTile - 1) / kRowTile;
 #pragma omp parallel if (n_pairs * hidden * ffn > kParallelWork)

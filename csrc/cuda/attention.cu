@@ -26,10 +26,13 @@
  *   Plain blocks, not thread-block clusters: a cluster launch of 8 blocks cost the H200 decode ~0.6% (it waits
  *   for 8 free slots in one GPC; results/NOTES.md v13), and the cluster's distributed shared memory served only
  *   contexts above 128 positions. Shared memory: 5 x (head_dim + 2) floats per block.
+ *   With out_groups the block that writes out also writes its int8 groups (act_quant.h) for the output projection:
+ *   dims d .. d + 3 are 4 lanes of one warp, gathered by shuffles.
  */
 #include <cmath>
 #include <type_traits>
 
+#include "qdot.cuh"
 #include "rope.cuh"
 
 namespace tm_cuda {
@@ -162,7 +165,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
     attention_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
                      const float* __restrict__ v_cache, float* __restrict__ out, const int32_t* __restrict__ pos,
                      int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_ctx, float scale, int64_t pair0,
-                     AttScratch scratch) {
+                     AttScratch scratch, uint8_t* __restrict__ out_q) {
   static_assert(!VEC || DPL % 4 == 0, "whole float4s a lane");
   extern __shared__ float att_smem[];  // m[kAttWarps], l[kAttWarps], acc[kAttWarps][head_dim]
   __shared__ bool s_last;
@@ -392,6 +395,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
 #pragma unroll
   for (int k = 0; k < kDimsPerThread; ++k) {
     const int d = threadIdx.x + kAttWarps * 32 * k;
+    float o = 0.0f;
     if (d < head_dim) {
       float v[kAttBlocks];
 #pragma unroll
@@ -400,7 +404,17 @@ __global__ void __launch_bounds__(kAttWarps * 32)
 #pragma unroll
       for (int c = 0; c < kAttBlocks; ++c)
         if (c < n_part) a = __fadd_rn(a, __fmul_rn(v[c], wc[c]));
-      out[pair * head_dim + d] = __fdiv_rn(a, big_l);
+      o = __fdiv_rn(a, big_l);
+      out[pair * head_dim + d] = o;
+    }
+    if (out_q != nullptr) {  // every lane of the warp takes part in the shuffles (head_dim % 4 == 0)
+      const float o1 = __shfl_down_sync(0xFFFFFFFFu, o, 1), o2 = __shfl_down_sync(0xFFFFFFFFu, o, 2);
+      const float o3 = __shfl_down_sync(0xFFFFFFFFu, o, 3);
+      if (d < head_dim && (d & 3) == 0) {  // the group of dims d .. d + 3 of row t = pair / n_heads
+        const int64_t t = pair / n_heads, cols = n_heads * head_dim;
+        store_q8act(out_q + t * q8act_bytes(cols), ((pair - t * n_heads) * head_dim + d) / 4,
+                    tm_act::q8_group(o, o1, o2, o3));
+      }
     }
   }
 }
@@ -408,7 +422,7 @@ __global__ void __launch_bounds__(kAttWarps * 32)
 template <int DPL, bool VEC>
 int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const float* k_cache, const float* v_cache,
                      float* out, const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv,
-                     int64_t head_dim, int64_t max_ctx, int32_t* scratch) {
+                     int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_q) {
   const int64_t smem = static_cast<int64_t>(sizeof(float)) * (kAttWarps + 1) * (head_dim + 2);
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
@@ -424,7 +438,7 @@ int launch_attention(const Limits& lim, cudaStream_t s, const float* q, const fl
     const int64_t np = n_pairs - p0 < max_pairs ? n_pairs - p0 : max_pairs;
     TM_TRY(launch(lim, "tm_attention", attention_kernel<DPL, VEC>, dim3(static_cast<unsigned>(np * kAttBlocks)),
                   dim3(kAttWarps * 32), static_cast<size_t>(smem), s, q, k_cache, v_cache, out, pos, n_heads, n_kv,
-                  head_dim, max_ctx, scale, p0, sc));
+                  head_dim, max_ctx, scale, p0, sc, out_q));
   }
   return TM_OK;
 }
@@ -455,7 +469,8 @@ extern "C" int tm_cuda_rope_kv_append(float* q, const float* k, const float* v, 
 
 extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                                  const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                 int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream) {
+                                 int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups,
+                                 void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_f32_alignment(fn, "q", q));
   TM_TRY(check_f32_alignment(fn, "k_cache", k_cache));
@@ -471,10 +486,10 @@ extern "C" int tm_cuda_attention(const float* q, const float* k_cache, const flo
       if (head_dim == 32 * DPL && n_kv_heads * head_dim * kAttTile < (int64_t{1} << 31) && aligned(q, 16) &&
           aligned(k_cache, 16) && aligned(v_cache, 16))
         return launch_attention<DPL, true>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads,
-                                           head_dim, max_ctx, scratch);
+                                           head_dim, max_ctx, scratch, out_groups);
     }
     return launch_attention<DPL, false>(lim, s, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads,
-                                        head_dim, max_ctx, scratch);
+                                        head_dim, max_ctx, scratch, out_groups);
   };
   if (head_dim <= 32) return go(std::integral_constant<int, 1>{});
   if (head_dim <= 64) return go(std::integral_constant<int, 2>{});

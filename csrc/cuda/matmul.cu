@@ -35,11 +35,12 @@ constexpr int matmul_min_blocks() {
   return NR * NT == 2 ? 4 : (NR * NT == 1 ? TM_MATMUL_ROW_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS);
 }
 
-template <Fmt F, int NR, int NT, bool V, bool S>
+// Q: the products read x's int8 groups xq (tiled rows) instead of rounding x (the same bits).
+template <Fmt F, int NR, int NT, bool V, bool S, bool Q>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  const float* __restrict__ scale, int64_t tile0) {
+                  const float* __restrict__ scale, int64_t tile0, const uint8_t* __restrict__ xq) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
   const uint8_t* wr[NR];
@@ -52,8 +53,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   if (r0 >= rows) return;  // whole warps leave; no block-wide barrier follows
   const int64_t t0 = (tile0 + blockIdx.y) * NT;
   const float* xs[NT];
+  const uint8_t* xqs[NT];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) xs[t] = x + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * cols;
+  for (int t = 0; t < NT; ++t) {
+    const int64_t row = t0 + t < n_tokens ? t0 + t : n_tokens - 1;
+    xs[t] = x + row * cols;
+    xqs[t] = xq + row * q8act_bytes(cols);
+  }
+  const auto dot = [&](float (&out)[NR][NT]) {
+    if constexpr (Q)
+      warp_dot_q8act<F, NR, NT, true>(wr, xqs, nblocks, out);
+    else
+      warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
+  };
   if constexpr (NR == 1 && NT == 1) {
     // One row, one token (attn_output in decode): lane 0's bias and the residual it adds to are loaded before the
     // dot product (ld_ahead), so their round trip is not the kernel's last. Only this instantiation: a change to
@@ -63,7 +75,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     const float b = owner && bias != nullptr ? ld_ahead(bias + r0) : 0.0f;
     const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
     float out[1][1];
-    warp_dot<F, 1, 1, true, V>(wr, xs, nblocks, out);
+    dot(out);
     if (!owner) return;
     float v = out[0][0];
     if constexpr (S) v = __fmul_rn(v, scale[t0]);
@@ -72,7 +84,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     return;
   }
   float out[NR][NT];
-  warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
+  dot(out);
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
 #pragma unroll
@@ -92,7 +104,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
 template <Fmt F, int NR, int NT, bool V>
 int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const float* x, const float* bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  const float* scale) {
+                  const float* scale, const uint8_t* xq) {
   const int64_t gx = ceil_div(rows, kWarpsPerBlock * NR);
   const int64_t ny = ceil_div(n_tokens, NT);
   if (gx > lim.max_grid_x)
@@ -101,12 +113,18 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
   for (int64_t y0 = 0; y0 < ny; y0 += lim.max_grid_yz) {
     const int64_t gy = ny - y0 < lim.max_grid_yz ? ny - y0 : lim.max_grid_yz;
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
-    if (scale != nullptr)
-      TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V, true>, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x,
-                    bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, scale, y0));
+    auto run = [&](auto kernel) {
+      return launch(lim, "tm_matmul", kernel, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x, bias, y, n_tokens, rows,
+                    cols, row_bytes, nblocks, accumulate, scale, y0, xq);
+    };
+    // x's int8 groups where the tiled reader takes them
+    constexpr bool kReadsGroups = fmt_tiled(F);
+    if (kReadsGroups && xq != nullptr)
+      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, kReadsGroups>)
+                              : run(matmul_kernel<F, NR, NT, V, false, kReadsGroups>));
     else
-      TM_TRY(launch(lim, "tm_matmul", matmul_kernel<F, NR, NT, V, false>, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x,
-                    bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate, scale, y0));
+      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, false>)
+                              : run(matmul_kernel<F, NR, NT, V, false, false>));
   }
   return TM_OK;
 }
@@ -117,7 +135,8 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
 using namespace tm_cuda;
 
 extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,
-                              int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream) {
+                              int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,
+                              void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_weight_alignment(fn, "w", qtype, w));
   TM_TRY(check_f32_alignment(fn, "x", x));
@@ -139,11 +158,11 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
     if (n_tokens == 1) {
       if (pair_rows)
         return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                         scale);
+                                         scale, x_groups);
       return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                       scale);
+                                       scale, x_groups);
     }
     return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
-                                              accumulate, scale);
+                                              accumulate, scale, x_groups);
   });
 }

@@ -139,6 +139,8 @@ struct GateUpArgs {
   const int32_t* ids;  // nullptr: expert 0 (a shared expert or dense FFN)
   float* act;
   int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
+  uint8_t* act_q;  // nullable: act's int8 groups too (qdot.cuh's q8act layout, act_q_stride bytes a slot row)
+  int64_t act_q_stride;
 };
 // A slot's expert id (no ids: expert 0) and routing weight (no weights: 1), as a launch's arguments hold them.
 template <class Args>
@@ -150,6 +152,31 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
   return a.weights != nullptr ? a.weights[slot] : 1.0f;
 }
 
+// Timing-only probes (wrong results; results/NOTES.md lesson 139): 0 leaves out the gate-up's group epilogue
+// (TM_PROBE_GU_GROUPS) or the shared blocks' quantization of h (TM_PROBE_SH_Q8), to price each.
+#ifndef TM_PROBE_GU_GROUPS
+#define TM_PROBE_GU_GROUPS 1
+#endif
+#ifndef TM_PROBE_SH_Q8
+#define TM_PROBE_SH_Q8 1
+#endif
+// The int8 groups of a block's kRowsPerBlock consecutive values (warp w's lane 0 holds value w, row tile * 8 + w
+// of a row of n values, n a multiple of 4): two groups of the row's q8act layout at buf, written by warp 0 after a
+// barrier of the whole block (every warp of the block calls it). The consumer (the down) reads them instead of
+// rounding the floats itself: the same groups, made once.
+__device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t tile, int64_t n, float v) {
+  static_assert(kRowsPerBlock == 8, "a block's rows are two groups");
+  __shared__ float s_vals[kRowsPerBlock];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) s_vals[warp] = v;
+  __syncthreads();
+  const int64_t j = static_cast<int64_t>(tile) * 2 + lane;  // the group of rows 4j .. 4j + 3
+  if (warp == 0 && lane < 2 && 4 * j < n) {
+    const float* q = s_vals + 4 * lane;
+    store_q8act(buf, j, tm_act::q8_group(q[0], q[1], q[2], q[3]));
+  }
+}
+
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
 // h[t] = h + t * h_stride (h_stride 0: the block's own token row, e.g. in shared memory). Called after pdl_begin.
 // The kernels do not prefetch a shared expert's rows before pdl_wait: 24.5 MB of prefetches slowed the kernel
@@ -159,26 +186,33 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
 // Block indices are 32-bit (the launchers keep every grid's block count below 2^31): a 64-bit division is a
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
-template <Fmt F, bool V>
-__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const float* h, int64_t h_stride,
+// XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
+// With a.act_q the block also stores its rows' int8 groups (store_block_act_groups: the whole block calls this).
+template <Fmt F, bool V, class XT = float>
+__device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
-  if (r >= a.ffn) return;
+  const bool row = r < a.ffn;
+  const bool groups = TM_PROBE_GU_GROUPS && a.act_q != nullptr;
+  if (!row && !groups) return;
   const uint32_t slots = static_cast<uint32_t>(a.slot_count), t = pair / slots;
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : slot_expert(a, slot);
-  float* o = a.act + slot * a.ffn + r;
-  if (e < 0 || e >= a.n_experts) {
-    if (lane == 0) *o = kNaN;
-    return;
+  float v = kNaN;  // an expert id out of range gives NaN rows
+  if (row && e >= 0 && e < a.n_experts) {
+    const int64_t off = (e * a.ffn + r) * a.row_bytes;
+    const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
+    const XT* xs[1] = {h + t * h_stride};
+    float gu[2][1];
+    if constexpr (std::is_same_v<XT, uint8_t>)
+      warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
+    else
+      warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
+    v = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   }
-  const int64_t off = (e * a.ffn + r) * a.row_bytes;
-  const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
-  const float* xs[1] = {h + t * h_stride};
-  float gu[2][1];
-  warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
-  if (lane == 0) *o = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
+  if (row && lane == 0) a.act[slot * a.ffn + r] = v;
+  if (groups) store_block_act_groups(a.act_q + slot * a.act_q_stride, tile, a.ffn, v);
 }
 
 // The gate-up kernels on tiled Q8_0 rows: 4 blocks per SM (<= 64 registers; results/NOTES.md lesson 6: occupancy
@@ -259,10 +293,12 @@ inline bool grouped_experts_gate_up_fits(const Limits& lim, int64_t n_tokens, in
          grouped_gate_up_fits(lim, n_tokens, n_tokens * top_k, ceil_div(ffn, kRowsPerBlock), n_experts);
 }
 
-template <Fmt F, bool V>
+// Q: the warps multiply h's int8 groups hq (tiled rows; a row of q8act_bytes(hidden) a token) instead of rounding
+// h per token and lane step: the same bits.
+template <Fmt F, bool V, bool Q>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     grouped_gate_up_kernel(const GateUpArgs a, const float* __restrict__ h, int64_t n_tokens, int64_t hidden,
-                           int64_t nblocks) {
+                           int64_t nblocks, const uint8_t* __restrict__ hq) {
   __shared__ uint32_t s_pairs[kGroupMaxPairs];
   __shared__ uint32_t s_count;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -303,15 +339,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   auto group = [&](uint32_t i, auto nt) {
     constexpr int NT = decltype(nt)::value;
     const float* xs[NT];
+    const uint8_t* xq[NT];
     int64_t slot[NT];
 #pragma unroll
     for (int u = 0; u < NT; ++u) {
       const uint32_t p = s_pairs[i + u];
       slot[u] = slot_of(p);
       xs[u] = h + static_cast<int64_t>(p / slots) * hidden;
+      xq[u] = hq + static_cast<int64_t>(p / slots) * q8act_bytes(hidden);
     }
     float gu[2][NT];
-    warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
+    if constexpr (Q)
+      warp_dot_q8act<F, 2, NT, true>(wr, xq, nblocks, gu);
+    else
+      warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
     if (lane == 0)
 #pragma unroll
       for (int u = 0; u < NT; ++u) a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(gu[0][u]), gu[1][u]);
@@ -323,11 +364,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 
 // One grouped launch of a call's weight set (grid: groups x row tiles).
 template <Fmt F, bool V>
-int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& a, const float* h, int64_t n_tokens,
-                           int64_t hidden, int64_t nblocks, cudaStream_t s) {
+int launch_grouped_gate_up(const Limits& lim, const char* fn, const GateUpArgs& a, const float* h,
+                           const uint8_t* hq, int64_t n_tokens, int64_t hidden, int64_t nblocks, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(a.n_experts + 1), static_cast<unsigned>(ceil_div(a.ffn, kRowsPerBlock)));
-  return launch(lim, fn, grouped_gate_up_kernel<F, V>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens, hidden,
-                nblocks);
+  if constexpr (fmt_tiled(F)) {
+    if (hq != nullptr)
+      return launch(lim, fn, grouped_gate_up_kernel<F, V, true>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h,
+                    n_tokens, hidden, nblocks, hq);
+  }
+  return launch(lim, fn, grouped_gate_up_kernel<F, V, false>, grid, dim3(kRowsPerBlock * 32), 0, s, a, h, n_tokens,
+                hidden, nblocks, hq);
 }
 
 // The shared-expert gate's dot: an F32RowMode (qdot.cuh), or none.
@@ -400,17 +446,22 @@ __host__ __device__ inline int64_t router_rows(int64_t n_experts, const float* g
 
 // The scratch (tm_router_gate_up_scratch_words in tornado_moe.h counts its words): the ticket word (count, epoch:
 // 64 bits; its atomics on 256 bytes of their own), then per token the 64-bit ids_ready and h_ready flags, each
-// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each).
+// group on 128-byte lines of its own, then the tagged logits [n_tokens, n_experts] (64 bits each), then from
+// tm_router_gate_up_groups_word per token h's int8 groups in qdot.cuh's q8act layout (router block 0 writes them
+// with h, before h_ready: the routed blocks of tiled rows multiply them).
 struct RouterSync {
   unsigned long long* ticket;
   unsigned long long* ids_ready;  // tag << 32 | packed_ids(the token's ids) once they are written
   unsigned long long* h_ready;    // tag << 32: h[t] (and beyond kIdsInFlag slots ids) released
   unsigned long long* logits;     // tag << 32 | the logit's float bits
+  uint8_t* hq;                    // token t's groups at hq + t * q8act_bytes(hidden)
 };
-__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, int64_t n_tokens) {
+// h_groups: the scratch at tm_router_gate_up_groups_word (the launcher computes it: the header is host code).
+__device__ __forceinline__ RouterSync router_sync(uint32_t* scratch, uint8_t* h_groups, int64_t n_tokens) {
   const int64_t group = ceil_div(n_tokens, 32) * 32;
   auto* flags = reinterpret_cast<unsigned long long*>(scratch + 64);
-  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group};
+  return RouterSync{reinterpret_cast<unsigned long long*>(scratch), flags, flags + group, flags + 2 * group,
+                    h_groups};
 }
 // A token's expert ids in its ids_ready word (8 bits each, slot s at bit 8 s) when they fit: a routed block then
 // has its expert id from the load it polls with. Else (more than 4 slots) the payload is 0 and blocks read ids[].
@@ -426,13 +477,20 @@ __device__ __forceinline__ uint32_t packed_ids(const Pick* list, int64_t top_k) 
 __host__ __device__ inline int64_t router_blocks_per_token(int64_t rows) {
   return ceil_div(rows, kRowsPerBlock);
 }
-// Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks.
+// Dynamic shared memory: h (hidden rounded up to 4 floats), the norm scratch, top_k picks, then (16-byte aligned)
+// h's int8 groups in the q8act layout, which a shared block of tiled rows multiplies its rows with.
+__host__ __device__ inline int64_t router_q8_offset(int64_t hidden, int64_t top_k) {
+  return ceil_div((router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick)), 16) *
+         16;
+}
 __host__ __device__ inline int64_t router_gate_up_smem(int64_t hidden, int64_t top_k) {
-  return (router_h_floats(hidden) + kNormWarps + 4) * 4 + top_k * static_cast<int64_t>(sizeof(Pick));
+  return router_q8_offset(hidden, top_k) + q8act_bytes(hidden);
 }
 
+// with_groups: block 0 also stores h's int8 groups (sy.hq) for the routed blocks of tiled rows.
 __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, float* h, int64_t hidden, int64_t t,
-                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem) {
+                                             int64_t j, const RouterSync& sy, uint32_t raised, float* smem,
+                                             bool with_groups) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned long long* logits = sy.logits + t * ra.n_experts;
   float* hbuf = smem;
@@ -456,7 +514,9 @@ __device__ __forceinline__ void router_block(const RouterArgs& ra, int mode, flo
   stamp(3);
   if (j != 0) return;
   const bool ids_in_flag = ra.top_k <= kIdsInFlag;
-  __syncthreads();  // block 0's h stored by all its threads: released here, by a warp the top-k does not hold up
+  if (with_groups) store_q8act_vector(hbuf, sy.hq + t * q8act_bytes(hidden), hidden, kNormThreads);
+  __syncthreads();  // block 0's h (and groups) stored by all its threads: released here, by a warp the top-k does
+                    // not hold up
   if (ids_in_flag && warp == 1 && lane == 0) flag_release(sy.h_ready + t, raised, 0);
   if (warp != 0) return;
   TM_TOPK_STAMP(0);
@@ -498,7 +558,8 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
-                                  float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync) {
+                                  float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync,
+                                  uint8_t* h_groups) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket, s_raised;
@@ -536,13 +597,23 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #else
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
-    stamp(3);
-    gate_up_block<F, V>(sh, hbuf, 0, nblocks, p.pair, p.tile);
+    if constexpr (fmt_tiled(F)) {  // h's int8 groups once for the block's 8 warps (tiled rows: hidden % 128 == 0)
+      uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
+      if constexpr (TM_PROBE_SH_Q8) {
+        store_q8act_vector(hbuf, hq, hidden, kNormThreads);
+        __syncthreads();
+      }
+      stamp(3);
+      gate_up_block<F, V>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+    } else {
+      stamp(3);
+      gate_up_block<F, V>(sh, static_cast<const float*>(hbuf), 0, nblocks, p.pair, p.tile);
+    }
 #endif
     stamp_end();
     return;
   }
-  const RouterSync sy = router_sync(sync, n_tokens);
+  const RouterSync sy = router_sync(sync, h_groups, n_tokens);
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
@@ -556,7 +627,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp_role(b < router_blocks ? 0 : 2);
   stamp(2);
   if (b < router_blocks) {
-    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem);
+    router_block(ra, router_mode, h, hidden, b / per_token, b % per_token, sy, raised, rg_smem, fmt_tiled(F));
     stamp_end();
     return;
   }
@@ -571,7 +642,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
-  gate_up_block<F, V>(rt, h, hidden, nblocks, p.pair, p.tile, e);
+  if constexpr (fmt_tiled(F))
+    gate_up_block<F, V>(rt, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair, p.tile, e);
+  else
+    gate_up_block<F, V>(rt, static_cast<const float*>(h), hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
 
@@ -581,19 +655,26 @@ struct DownArgs {
   const int32_t* ids;
   const float* weights;
   int64_t top_k, n_experts, hidden, ffn, row_bytes, nblocks;
+  const uint8_t* act_q;  // nullable: act's int8 groups as the gate-up stored them (q8act layout), act_q_stride
+  int64_t act_q_stride;  // bytes a slot row; read by the Q instantiations instead of act
 };
+// The down's L2 prefetch distance when it reads int8 groups (qdot.cuh's PF; results/NOTES.md lesson 136).
+#ifndef TM_DOWN_PF
+#define TM_DOWN_PF 2
+#endif
 
 // The dot products dot(W_down[e][r], act[t, s + i]) of slots s .. s + NR - 1 (one warp_dot with per-row
 // activations, so the loads of several experts are in flight together) and their factors w_eff (NaN for an expert
 // id out of range).
-// SM: the row (NR = 1) is the copy `row_copy` in shared memory.
-template <Fmt F, int NR, bool V, bool SM = false>
+// SM: the row (NR = 1) is the copy `row_copy` in shared memory. Q: the activations are a.act_q's groups.
+template <Fmt F, int NR, bool V, bool SM = false, bool Q = false>
 __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
                                           float gate, float (&d)[NR][1], float (&w_eff)[NR],
                                           const uint8_t* row_copy = nullptr) {
   static_assert(!SM || NR == 1, "one row copy");
   const uint8_t* wr[NR];
   const float* xs[NR];
+  const uint8_t* xq[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
     const int64_t slot = t * a.top_k + s + i;
@@ -602,11 +683,15 @@ __device__ __forceinline__ void down_dots(const DownArgs& a, int64_t t, int64_t 
     if (bad) e = 0;
     wr[i] = SM ? row_copy : a.w_down + (e * a.hidden + r) * a.row_bytes;
     xs[i] = a.act + slot * a.ffn;
+    xq[i] = a.act_q + slot * a.act_q_stride;
     float w = slot_weight(a, slot);
     if (gated) w = __fmul_rn(w, gate);
     w_eff[i] = bad ? kNaN : w;
   }
-  warp_dot<F, NR, 1, false, V, SM>(wr, xs, a.nblocks, d);
+  if constexpr (Q)
+    warp_dot_q8act<F, NR, 1, false, SM, TM_DOWN_PF>(wr, xq, a.nblocks, d);
+  else
+    warp_dot<F, NR, 1, false, V, SM>(wr, xs, a.nblocks, d);
 }
 
 // acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
@@ -669,7 +754,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
 // register allocation. rb is ra + 1, or ra itself at the last row of an odd hidden size (computed twice, stored
 // once). The slot's id is read before the dot and its weight after it (loading both ahead measured slower on the
 // H100: results/NOTES.md lesson 121).
-template <Fmt F, bool V>
+template <Fmt F, bool V, bool Q>
 __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int64_t ra, int64_t rb, int64_t s,
                                               float (&d)[2][1], float& w_eff) {
   const int64_t slot = t * a.top_k + s;
@@ -678,8 +763,13 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
   if (bad) e = 0;
   const uint8_t* base = a.w_down + e * a.hidden * a.row_bytes;
   const uint8_t* wr[2] = {base + ra * a.row_bytes, base + rb * a.row_bytes};
-  const float* xs[1] = {a.act + slot * a.ffn};
-  warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
+  if constexpr (Q) {
+    const uint8_t* xq[1] = {a.act_q + slot * a.act_q_stride};
+    warp_dot_q8act<F, 2, 1, true, false, TM_DOWN_PF>(wr, xq, a.nblocks, d);
+  } else {
+    const float* xs[1] = {a.act + slot * a.ffn};
+    warp_dot<F, 2, 1, true, V>(wr, xs, a.nblocks, d);
+  }
   w_eff = bad ? kNaN : slot_weight(a, slot);
 }
 
@@ -701,8 +791,10 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   Terms go to shared memory; after one barrier lane 0 of warp w adds them to x[t, r0 + w] in the order of the
 //   two launches this replaces: the shared term, then the slots in order, each a rounded multiply then a rounded
 //   add, from the float32 x read once; with xw it also writes the next norm's factor, and the four rows' sum of
-//   squares (one group of norm.cuh's grouped sum) after a named barrier. No term's bits depend on the grouping
-//   (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
+//   squares (one group of norm.cuh's grouped sum) after a named barrier, and with xw_q xw's int8 group of the
+//   block's four rows for the next qkv_rope. Q: every warp multiplies the gate-up's int8 groups (act_q) instead of
+//   rounding act itself, with the reader's L2 prefetch TM_DOWN_PF batches ahead. No term's bits depend on the
+//   grouping (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
@@ -721,26 +813,49 @@ __host__ __device__ inline int64_t down_rows_offset(int64_t top_k) {
 }
 
 // xw = x * w and x's group sums xss over [n_tokens, hidden] (the two-launch form's; norm.cuh's operations, so the
-// fused kernel's bits): one thread a group.
+// fused kernel's bits), and with xw_q xw's int8 groups: one thread a group.
 __global__ void __launch_bounds__(256) norm_factor_kernel(const float* x, const float* __restrict__ w, float* xw,
-                                                          float* xss, int64_t n_tokens, int64_t hidden) {
+                                                          float* xss, uint8_t* xw_q, int64_t n_tokens,
+                                                          int64_t hidden) {
+  static_assert(kNormGroup == 4, "a norm group is one int8 group");
   pdl_begin();
   const int64_t groups = norm_groups(hidden);
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n_tokens * groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = k / groups, g = k % groups;
     const float* xt = x + t * hidden;
+    float v[kNormGroup] = {};
     for (int64_t i = g * kNormGroup; i < (g + 1) * kNormGroup && i < hidden; ++i)
-      xw[t * hidden + i] = norm_factor_xw(xt[i], __ldg(w + i));
+      xw[t * hidden + i] = v[i - g * kNormGroup] = norm_factor_xw(xt[i], __ldg(w + i));
     xss[k] = group_sum_sq([&](int64_t i) { return xt[i]; }, g, hidden);
+    if (xw_q != nullptr) store_q8act(xw_q + t * q8act_bytes(hidden), g, tm_act::q8_group(v[0], v[1], v[2], v[3]));
   }
 }
 
-template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM>
+// The int8 groups of rows x[rows, n] (n a multiple of 4) into the q8act layout at q (q8act_bytes(n) a row), one
+// thread a group: where tm_router_experts_gate_up falls back to separate launches, its groups are still written.
+__global__ void __launch_bounds__(256) act_groups_kernel(const float* x, uint8_t* q, int64_t rows, int64_t n) {
+  pdl_begin();
+  const int64_t per_row = n / 4;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < rows * per_row;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = k / per_row, j = k % per_row;
+    const float* p = x + r * n + 4 * j;
+    store_q8act(q + r * q8act_bytes(n), j, tm_act::q8_group(p[0], p[1], p[2], p[3]));
+  }
+}
+int launch_act_groups(const Limits& lim, const char* fn, const float* x, uint8_t* q, int64_t rows, int64_t n,
+                      cudaStream_t s) {
+  const int64_t blocks = ceil_div(rows * (n / 4), 256);
+  return launch(lim, fn, act_groups_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
+                0, s, x, q, rows, n);
+}
+
+template <Fmt FS, bool VS, Fmt FR, bool VR, bool SM, bool Q>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     experts_down_kernel(DownArgs sh, DownArgs rt, const float* __restrict__ gate_inp, const float* __restrict__ h,
-                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, int gate_mode,
-                        int64_t tok0) {
+                        float* x, const float* __restrict__ next_norm_w, float* xw, float* xss, uint8_t* xw_q,
+                        int gate_mode, int64_t tok0) {
   // [kSplitRows][top_k] routed terms, [kSplitRows] shared terms, then (SM) the shared warps' row copies
   extern __shared__ __align__(16) float down_smem[];
   __shared__ uint64_t rows_landed[kSplitRows];
@@ -778,9 +893,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
       if constexpr (SM) {
         __syncwarp();  // lane 0's barrier init before the other lanes poll it
         bulk_wait(&rows_landed[warp]);
-        down_dots<FS, 1, VS, true>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
+        down_dots<FS, 1, VS, true, Q>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff, row_copy());
       } else {
-        down_dots<FS, 1, VS>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
+        down_dots<FS, 1, VS, false, Q>(sh, t, r, 0, gate_mode != kGateNone, gate, d, w_eff);
       }
       if (lane == 0) s_shared[warp] = __fmul_rn(w_eff[0], d[0][0]);
     }
@@ -791,7 +906,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     if (ra < rt.hidden) {
       for (int64_t s = j & 1; s < rt.top_k; s += 2) {
         float d[2][1], w_eff;
-        down_row_pair<FR, VR>(rt, t, ra, rb, s, d, w_eff);
+        down_row_pair<FR, VR, Q>(rt, t, ra, rb, s, d, w_eff);
         if (lane == 0) {
           s_routed[pair * rt.top_k + s] = __fmul_rn(w_eff, d[0][0]);
           if (rb != ra) s_routed[(pair + 1) * rt.top_k + s] = __fmul_rn(w_eff, d[1][0]);
@@ -805,7 +920,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
   // normalisation's grouped sum (kNormGroup == kSplitRows): with xss the four meet at a named barrier and warp 0
   // writes the group's sum beside xw. (Lane j of warp 0 adding row j instead ran 1.3 us a layer slower on the
   // H200: results/NOTES.md v12.)
-  __shared__ float s_rows[kSplitRows];
+  __shared__ float s_rows[kSplitRows], s_xw[kSplitRows];
   if (!shared_warp) return;
   const int64_t r = r0 + warp;
   if (lane == 0 && r < sh.hidden) {
@@ -813,14 +928,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, down_min_blocks(FS, FR))
     float acc = __fadd_rn(__ldcg(xo), s_shared[warp]);  // in place: read around L1 (common.cuh)
     for (int64_t s = 0; s < rt.top_k; ++s) acc = __fadd_rn(acc, s_routed[warp * rt.top_k + s]);
     *xo = acc;
-    if (xw != nullptr) xw[t * sh.hidden + r] = norm_factor_xw(acc, s_next_w[warp]);
+    if (xw != nullptr) {
+      s_xw[warp] = norm_factor_xw(acc, s_next_w[warp]);
+      xw[t * sh.hidden + r] = s_xw[warp];
+    }
     s_rows[warp] = acc;
   }
-  if (xss != nullptr) {
+  if (xss != nullptr) {  // the block's rows are also one int8 group of xw (hidden % 4 == 0 when xw_q is given)
     named_barrier<kSplitRows * 32>(1);
     if (warp == 0 && lane == 0)
       xss[t * norm_groups(sh.hidden) + blockIdx.x] =
           group_sum_sq([&](int64_t i) { return s_rows[i - r0]; }, blockIdx.x, sh.hidden);
+    if (xw_q != nullptr && warp == 0 && lane == 1)
+      store_q8act(xw_q + t * q8act_bytes(sh.hidden), blockIdx.x,
+                  tm_act::q8_group(s_xw[0], s_xw[1], s_xw[2], s_xw[3]));
   }
   stamp_end(kDownTimelineRow0);
 }
@@ -923,7 +1044,7 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     if (grouped_gate_up_fits(lim, n_tokens, n_pairs, n_tiles, n_experts))
-      return launch_grouped_gate_up<F, V>(lim, fn, a, h, n_tokens, hidden, nblocks, s);
+      return launch_grouped_gate_up<F, V>(lim, fn, a, h, nullptr, n_tokens, hidden, nblocks, s);
     for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
@@ -937,11 +1058,11 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   });
 }
 
-extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
-                                       int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
-                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
-                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
-  const char* fn = "tm_experts_gate_up";
+// tm_experts_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
+static int experts_gate_up(const char* fn, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                    int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h, const uint8_t* hq,
+                    const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t ffn,
+                    int64_t hidden, cudaStream_t s) {
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
@@ -952,13 +1073,12 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
   const int64_t nblocks = hidden / fmt_vals(f);
   const int64_t total = n_tokens * (ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
   TM_TRY(check_gate_up_blocks(fn, total, n_tokens));
-  const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     if (grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
-      TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, n_tokens, hidden, nblocks, s)));
-      return launch_grouped_gate_up<F, V>(lim, fn, rt, h, n_tokens, hidden, nblocks, s);
+      TM_TRY((launch_grouped_gate_up<F, V>(lim, fn, sh, h, hq, n_tokens, hidden, nblocks, s)));
+      return launch_grouped_gate_up<F, V>(lim, fn, rt, h, hq, n_tokens, hidden, nblocks, s);
     }
     for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
       const int64_t gx = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
@@ -967,6 +1087,14 @@ extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const v
     }
     return TM_OK;
   });
+}
+
+extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
+                                       int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,
+                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
+                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+  return experts_gate_up("tm_experts_gate_up", qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, nullptr,
+                         ids, act, n_tokens, top_k, n_experts, ffn, hidden, as_stream(stream));
 }
 
 extern "C" int tm_cuda_moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,
@@ -992,7 +1120,8 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                                                const float* weights, const float* h, float* x,
                                                const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
                                                int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
-                                               void* stream) {
+                                               const uint8_t* act_groups_sh, const uint8_t* act_groups,
+                                               uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_experts_down_accumulate";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
@@ -1008,6 +1137,10 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                    &gate_mode, &vs));
   TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, nullptr, nullptr, top_k, n_experts, hidden, ffn, &rt,
                    &no_gate, &vr));
+  sh.act_q = act_groups_sh;
+  sh.act_q_stride = q8act_bytes(ffn_sh);
+  rt.act_q = act_groups;
+  rt.act_q_stride = q8act_bytes(ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);
@@ -1019,7 +1152,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
     if (xw == nullptr) return TM_OK;
     const int64_t blocks = ceil_div(n_tokens * norm_groups(hidden), 256);
     return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
-                  0, s, x, next_norm_w, xw, xss, n_tokens, hidden);
+                  0, s, x, next_norm_w, xw, xss, xw_groups, n_tokens, hidden);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
   if (smem > 48 * 1024 || smem > lim.smem_block || tiles > lim.max_grid_x) return two_launches();
@@ -1034,15 +1167,21 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
             const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
             TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(gy)),
                           dim3(kRowsPerBlock * 32), static_cast<size_t>(bytes), s, sh, rt, gate_inp_sh, h, x,
-                          next_norm_w, xw, xss, gate_mode, t0));
+                          next_norm_w, xw, xss, xw_groups, gate_mode, t0));
           }
           return TM_OK;
         };
+        // The int8 groups the gate-up stored, where both weight sets are tiled rows (the same bits as the floats)
+        constexpr bool kTiled = fmt_tiled(FS) && fmt_tiled(FR);
+        const bool q = kTiled && act_groups_sh != nullptr;
         if constexpr (FS == Fmt::Q8_0T16 && TM_DOWN_ROWS_IN_SMEM) {  // when the copies fit (the same bits)
           const int64_t smem_rows = down_rows_offset(top_k) + kSplitRows * sh.row_bytes;
-          if (smem_rows <= lim.smem_block) return run(experts_down_kernel<FS, VS, FR, VR, true>, smem_rows);
+          if (smem_rows <= lim.smem_block)
+            return q ? run(experts_down_kernel<FS, VS, FR, VR, true, kTiled>, smem_rows)
+                     : run(experts_down_kernel<FS, VS, FR, VR, true, false>, smem_rows);
         }
-        return run(experts_down_kernel<FS, VS, FR, VR, false>, smem);
+        return q ? run(experts_down_kernel<FS, VS, FR, VR, false, kTiled>, smem)
+                 : run(experts_down_kernel<FS, VS, FR, VR, false, false>, smem);
       } else {
         return two_launches();
       }
@@ -1056,20 +1195,27 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                               int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh,
                                               const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                               int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
-                                              int64_t ffn, int32_t* scratch, void* stream) {
+                                              int64_t ffn, int32_t* scratch, uint8_t* act_groups_sh,
+                                              uint8_t* act_groups, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w},
                                 {"w_router", w_router}, {"weights", weights}, {"gate_inp_sh", gate_inp_sh},
                                 {"gate_sh", gate_sh}})
     TM_TRY(check_f32_alignment(fn, name, p));
-  if (!aligned(scratch, 8))  // the ticket word is one 64-bit atomic
-    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 8-byte aligned", fn);
+  if (!aligned(scratch, 16))  // the ticket word is one 64-bit atomic; h's groups are read as 16-byte words
+    return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 16-byte aligned", fn);
   GateUpArgs sh, rt;
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
                               n_experts, ffn, hidden, h, &sh, &rt, &v));
+  sh.act_q = act_groups_sh;
+  sh.act_q_stride = q8act_bytes(ffn_sh);
+  rt.act_q = act_groups;
+  rt.act_q_stride = q8act_bytes(ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
+  // h's int8 groups in the scratch (tiled rows): the routed blocks' or the grouped GEMMs' activations
+  uint8_t* h_groups = reinterpret_cast<uint8_t*>(scratch + tm_router_gate_up_groups_word(n_tokens, n_experts));
   const int64_t smem = router_gate_up_smem(hidden, top_k);
   const int64_t total = n_tokens * (router_blocks_per_token(router_rows(n_experts, gate_inp_sh)) +
                                     ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
@@ -1086,8 +1232,19 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                     dim3(kRowsPerBlock * 32), 0, as_stream(stream), gate_inp_sh, h, gate_sh, n_tokens, hidden,
                     f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
     }
-    return tm_cuda_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
-                                   top_k, n_experts, ffn, hidden, stream);
+    // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
+    // would otherwise round each token's h in every warp and lane step.
+    const uint8_t* hq = nullptr;
+    if (fmt_tiled(fmt_for(qtype, hidden)) &&
+        grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
+      TM_TRY(launch_act_groups(lim, fn, h, h_groups, n_tokens, hidden, as_stream(stream)));
+      hq = h_groups;
+    }
+    TM_TRY(experts_gate_up(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, hq, ids, act, n_tokens,
+                           top_k, n_experts, ffn, hidden, as_stream(stream)));
+    if (act_groups_sh == nullptr) return TM_OK;
+    TM_TRY(launch_act_groups(lim, fn, act_sh, act_groups_sh, n_tokens, ffn_sh, as_stream(stream)));
+    return launch_act_groups(lim, fn, act, act_groups, n_tokens * top_k, ffn, as_stream(stream));
   }
   // h sits in shared memory, as in router.cu: the rows' alignment alone picks the vector loads (not the bits)
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize, gate_inp_sh, gate_sh,
@@ -1103,7 +1260,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
     return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
                   dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
-                  hidden, nblocks, sync);
+                  hidden, nblocks, sync, h_groups);
   });
 }
 

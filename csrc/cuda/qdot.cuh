@@ -9,11 +9,12 @@
  *   IQ4_XS; 4 values for the F16x4/BF16x4/F32x4 layouts used when the row length is a multiple of 4; 1 value
  *   otherwise). kLanes lanes share a block (part = lane % kLanes), so one warp step covers 32 / kLanes consecutive
  *   blocks; step s, lane l handles block s * (32 / kLanes) + l / kLanes. Each lane keeps one float32 accumulator
- *   per (row, token) and adds its blocks in increasing step order (Q8_0/Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i
- *   x_i, acc) with the in-block sum an fma chain, IQ4's q the level kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x,
- *   acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of the lane, in order, fma(d*sc, sum q x, acc)
- *   then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block of the lane, in order, fma(d*scale, sum q x,
- *   acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
+ *   per (row, token) and adds its blocks in increasing step order (Q8_0: its 4 activations are one int8 group of
+ *   act_quant.h, codes a and scale 2^e, and acc = fma(d * 2^e, dp4a(q, a), acc), both factors exact;
+ *   Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain, IQ4's q the level
+ *   kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of
+ *   the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block
+ *   of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
  *   All arithmetic uses explicit _rn intrinsics, so the compiler cannot contract or reorder it differently in
  *   different instantiations: a row's result does not depend on how many rows or tokens the calling warp handles
  *   at once, nor on the load width.
@@ -30,6 +31,7 @@
 
 #include <type_traits>
 
+#include "act_quant.h"
 #include "common.cuh"
 
 namespace tm_cuda {
@@ -59,13 +61,6 @@ __device__ __forceinline__ float4 ld_x4(const float* p) {
     return make_float4(p[0], p[1], p[2], p[3]);
   }
 }
-
-// Timing-only bound (wrong results; results/NOTES.md lesson 133): 1 replaces Q8_0's exact code conversion (a
-// PRMT and an FADD per code, 64 of the tiled reader's 140 instructions a batch) with one LOP3 per 4 codes, so the
-// decode shows what fewer instructions per weight would buy (the q8-activation dot's promise) before it is written.
-#ifndef TM_PROBE_NO_CONVERT
-#define TM_PROBE_NO_CONVERT 0
-#endif
 
 // 2^23 + byte i of `word` as a float (exact): a byte-to-float conversion at full ALU rate (no I2F).
 __device__ __forceinline__ float biased_byte(uint32_t word, int i) {
@@ -134,23 +129,17 @@ struct FmtTraits<Fmt::Q8_0> {
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
     return dot_biased(Frag{f.q ^ 0x80808080u, f.d}, x, acc);  // int8 -> uint8 + 128
   }
-  // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED): the same values, one LOP3 fewer.
+  // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED). The 4 activations are one group of
+  // act_quant.h (group = block * 8 + part): its codes meet the weight codes in one DP4A (an exact integer sum),
+  // and the block adds d * 2^e (exact) times that sum with one rounding.
   __device__ __forceinline__ static float dot_biased(const Frag& f, const XFrag& x, float acc) {
-    const uint32_t q = f.q;
-#if TM_PROBE_NO_CONVERT
-    // timing only: one finite float in [0.5, 1) from the word for all 4 codes (1 instruction instead of 8)
-    const float q0 = __uint_as_float((q & 0x007F7F7Fu) | 0x3F000000u), q1 = q0, q2 = q0, q3 = q0;
-#else
-    const float q0 = __fsub_rn(biased_byte(q, 0), 8388736.0f);  // 2^23 + 128
-    const float q1 = __fsub_rn(biased_byte(q, 1), 8388736.0f);
-    const float q2 = __fsub_rn(biased_byte(q, 2), 8388736.0f);
-    const float q3 = __fsub_rn(biased_byte(q, 3), 8388736.0f);
-#endif
-    float s = __fmul_rn(q0, x.x);
-    s = __fmaf_rn(q1, x.y, s);
-    s = __fmaf_rn(q2, x.z, s);
-    s = __fmaf_rn(q3, x.w, s);
-    return __fmaf_rn(fp16_bits_to_f32(f.d), s, acc);
+    const tm_act::Q8Group a = tm_act::q8_group(x.x, x.y, x.z, x.w);
+    return dot_codes(f, a.codes, a.scale, acc);
+  }
+  // the same with the activation group already quantized (codes, scale as act_quant.h makes them)
+  __device__ __forceinline__ static float dot_codes(const Frag& f, uint32_t codes, float scale, float acc) {
+    const int sum = __dp4a(static_cast<int>(f.q ^ 0x80808080u), static_cast<int>(codes), 0);
+    return __fmaf_rn(__fmul_rn(fp16_bits_to_f32(f.d), scale), static_cast<float>(sum), acc);
   }
 };
 
@@ -644,19 +633,22 @@ struct NoHook {
 #ifndef TM_PROBE_ACT_FIXED
 #define TM_PROBE_ACT_FIXED 0
 #endif
-// Timing-only bound (wrong results; results/NOTES.md lesson 135): 1 makes the tiled reader's whole groups take
-// int8 activations as if a producer had quantized them (a float scale per 4 values, stored per group as 512 code
-// bytes then 512 scale bytes, read from the float activations' addresses): one DP4A, an exact int-to-float and the
-// scale's two products per 4 codes instead of 14 instructions, and half the activation bytes.
-#ifndef TM_PROBE_Q8_ACT
-#define TM_PROBE_Q8_ACT 0
-#endif
-// A measurement knob (the same bits as the build without it; measured with TM_PROBE_Q8_ACT, lesson 136): the whole
-// batch D batches ahead asked for in L1 (D = 1) or L2 (D = 2), one prefetch per 128-byte line, right after this
-// batch's loads: does a reader with spare issue slots stream better with prefetches (the float reader's lost)?
-#ifndef TM_PROBE_Q8_PF
-#define TM_PROBE_Q8_PF 0
-#endif
+// Pre-quantized activations (the tiled reader's XT = uint8_t): a vector's act_quant.h groups in act_quant.h's
+// layout (per 512 values, a reader group, 512 code bytes then 128 float scales).
+constexpr int kQ8ActGroupBytes = tm_act::kGroupBlockBytes;
+__host__ __device__ constexpr int64_t q8act_bytes(int64_t n) { return tm_act::groups_bytes(n); }
+// Group j's (codes, scale) into the layout at buf.
+__device__ __forceinline__ void store_q8act(uint8_t* buf, int64_t j, const tm_act::Q8Group& g) {
+  uint8_t* p = buf + tm_act::group_offset(j);
+  *reinterpret_cast<uint32_t*>(p) = g.codes;
+  *reinterpret_cast<float*>(p + 512) = g.scale;
+}
+// The groups of x[0 .. n) (n a multiple of 4) into buf by the threads of a block (or of its first nthreads), thread
+// i taking groups i, i + nthreads, ...; the caller synchronises before buf is read.
+__device__ __forceinline__ void store_q8act_vector(const float* x, uint8_t* buf, int64_t n, int nthreads) {
+  for (int64_t j = threadIdx.x; j < n / 4; j += nthreads)
+    store_q8act(buf, j, tm_act::q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]));
+}
 
 template <class T>
 __device__ __forceinline__ T ldg_vec(const uint8_t* p) {
@@ -685,9 +677,9 @@ struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
 // scale[r] point at this lane's code and scale words of group g0 in row r, xg[.] at group g0's activations (the
 // caller advances them: no per-batch address arithmetic).
-template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook>
+template <int kGroups, bool Full, bool W16, int NR, int NT, bool SX, bool V, bool SM, class Hook, class XT, int PF>
 __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const uint8_t* const (&code)[NR],
-                                          const uint8_t* const (&scale)[NR], const float* const (&xg)[SX ? NT : NR],
+                                          const uint8_t* const (&scale)[NR], const XT* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
                                           float (&acc)[NR][NT], const Hook& hook, bool first) {
   using T = Q8TiledTraits;
@@ -730,79 +722,75 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
       }
     }
   }
-#if TM_PROBE_Q8_PF
-  if constexpr (Full && !SM) {
-    if (g0 + (TM_PROBE_Q8_PF + 1) * kGroups <= ngroups) {
-      const auto ask = [](const uint8_t* p) {
-        if constexpr (TM_PROBE_Q8_PF == 1) prefetch_l1(p); else prefetch_l2(p);
-      };
+  // PF > 0: the whole batch PF batches ahead asked for in L2, one prefetch per 128-byte line (the same bits). With
+  // int8 activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose
+  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
+  if constexpr (Full && !SM && PF > 0) {
+    if (g0 + (PF + 1) * kGroups <= ngroups) {
 #pragma unroll
       for (int v = 0; v < kGroups; ++v)
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          if ((lane & 7) == 0) ask(code[r] + (TM_PROBE_Q8_PF * kGroups + v) * 512);
-          if (lane == 0) ask(scale[r] + (TM_PROBE_Q8_PF * kGroups + v) * 32);
+          if ((lane & 7) == 0) prefetch_l2(code[r] + (PF * kGroups + v) * 512);
+          if (lane == 0) prefetch_l2(scale[r] + (PF * kGroups + v) * 32);
         }
     }
   }
-#endif
   if (first) hook();  // while this batch's loads are in flight (warp_dot's hook)
-#if TM_PROBE_Q8_ACT
-  if constexpr (Full) {
+  // row r's fragment of step (g0 + v) * 4 + u: Q8_0's step, operand for operand
+  const auto frag = [&](int v, int r, int u) {
+    const uint2 cw = c[v][r][u >> 1];
+    const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
+    return typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
+  };
+  if constexpr (std::is_same_v<XT, uint8_t>) {  // pre-quantized activation groups (q8act layout)
     constexpr int NX = SX ? NT : NR;
 #pragma unroll
     for (int v = 0; v < kGroups; ++v) {
+      const int g = g0 + v;
+      const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
+      if (width == 0) continue;
       uint4 aq[NX];
       float4 as[NX];
 #pragma unroll
-      for (int i = 0; i < NX; ++i) {
-        const uint8_t* xb = reinterpret_cast<const uint8_t*>(xg[i]) + v * 2048 + 16 * lane;
+      for (int i = 0; i < NX; ++i) {  // a short group is stored whole: both loads stay in bounds
+        const uint8_t* xb = xg[i] + v * kQ8ActGroupBytes + 16 * lane;
         aq[i] = *reinterpret_cast<const uint4*>(xb);
         as[i] = *reinterpret_cast<const float4*>(xb + 512);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
+        if (u < width) {
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = c[v][r][u >> 1];
-          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-          const int wq = static_cast<int>(((u & 1) ? cw.y : cw.x) ^ 0x80808080u);
-          const float dw = fp16_bits_to_f32((u & 1) ? sw >> 16 : sw & 0xFFFFu);
+          for (int r = 0; r < NR; ++r) {
+            const typename T::Frag f = frag(v, r, u);
 #pragma unroll
-          for (int t = 0; t < (SX ? NT : 1); ++t) {
-            const int i = SX ? t : r;
-            const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
-            const float da = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
-            const int si = __dp4a(wq, static_cast<int>(a), 0);
-            const float sf = __fsub_rn(__int_as_float(0x4B400000 + si), 12582912.0f);
-            acc[r][t] = __fmaf_rn(__fmul_rn(dw, da), sf, acc[r][t]);
+            for (int t = 0; t < (SX ? NT : 1); ++t) {
+              const int i = SX ? t : r;
+              const uint32_t a = u == 0 ? aq[i].x : u == 1 ? aq[i].y : u == 2 ? aq[i].z : aq[i].w;
+              const float d = u == 0 ? as[i].x : u == 1 ? as[i].y : u == 2 ? as[i].z : as[i].w;
+              acc[r][t] = T::dot_codes(f, a, d, acc[r][t]);
+            }
           }
         }
       }
     }
-  } else {
-#endif
+  } else {  // float activations, quantized step by step
 #pragma unroll
-  for (int v = 0; v < kGroups; ++v) {
-    const int g = g0 + v;
-    const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
+    for (int v = 0; v < kGroups; ++v) {
+      const int g = g0 + v;
+      const int width = Full || g < ngroups ? 4 : (g == ngroups ? tail : 0);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (u < width) {
-        typename T::Frag f[NR];  // step g * 4 + u: Q8_0's step, operand for operand
+      for (int u = 0; u < 4; ++u) {
+        if (u < width) {
+          typename T::Frag f[NR];
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          const uint2 cw = c[v][r][u >> 1];
-          const uint32_t sw = (u >> 1) ? sc[v][r].y : sc[v][r].x;
-          f[r] = typename T::Frag{(u & 1) ? cw.y : cw.x, (u & 1) ? sw >> 16 : sw & 0xFFFFu};
+          for (int r = 0; r < NR; ++r) f[r] = frag(v, r, u);
+          dot_step<T, NR, NT, SX, V>(acc, f, xg, (v * 4 + u) * 4 + sub, part);
         }
-        dot_step<T, NR, NT, SX, V>(acc, f, xg, (v * 4 + u) * 4 + sub, part);
       }
     }
   }
-#if TM_PROBE_Q8_ACT
-  }
-#endif
 }
 
 // warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
@@ -817,8 +805,11 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.
-template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook>
-__device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const float* const (&x)[SX ? NT : NR],
+// XT: float activations (quantized step by step, act_quant.h), or uint8_t: the q8act layout's groups of the same
+// values, made once by the kernel that wrote them (the same operands, so the same bits, without the rounding work).
+template <bool W16, int NR, int NT, bool SX, bool V, bool SM = false, class Hook = NoHook, class XT = float,
+          int PF = 0>
+__device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], const XT* const (&x)[SX ? NT : NR],
                                              int64_t nblocks, float (&out)[NR][NT], const Hook& hook = Hook{}) {
   constexpr int kFit = TM_Q8T_LOAD_REGS / (6 * NR);  // 6 registers per group and row in flight
   constexpr int kGroups = kFit < 1 ? 1 : (kFit > 4 ? 4 : kFit);
@@ -834,7 +825,7 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   constexpr int NX = SX ? NT : NR;
   const uint8_t* code[NR];
   const uint8_t* scale[NR];
-  const float* xg[NX];
+  const XT* xg[NX];
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     code[r] = w[r] + 16 * lane;
@@ -843,11 +834,12 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
 #pragma unroll
   for (int i = 0; i < NX; ++i) xg[i] = x[i];
   constexpr int kWStep = TM_PROBE_W_FIXED ? 0 : kGroups * 512, kSStep = TM_PROBE_W_FIXED ? 0 : kGroups * 32;
-  constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * 512;  // 4 steps x 4 blocks x 32 values per group
+  // 4 steps x 4 blocks x 32 values per group: 512 floats, or kQ8ActGroupBytes
+  constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * (std::is_same_v<XT, uint8_t> ? kQ8ActGroupBytes : 512);
   int g0 = 0;
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
-    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                     hook, g0 == 0);
+    q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT, PF>(w, code, scale, xg, g0, ngroups, tail, scales,
+                                                               lane, acc, hook, g0 == 0);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       code[r] += kWStep;
@@ -858,8 +850,8 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   }
   // What is left: fewer than kGroups whole groups, then the tail group (if any), as one batch.
   if (g0 < ngroups + (tail > 0 ? 1 : 0))
-    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM>(w, code, scale, xg, g0, ngroups, tail, scales, lane, acc,
-                                                      hook, g0 == 0);
+    q8t_batch<kGroups, false, W16, NR, NT, SX, V, SM, Hook, XT, PF>(w, code, scale, xg, g0, ngroups, tail, scales,
+                                                                lane, acc, hook, g0 == 0);
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -951,6 +943,19 @@ __device__ __forceinline__ bool warp_dot(const uint8_t* const (&w)[NR], const fl
     warp_dot_blocks<F, NR, NT, SX, V>(w, x, nblocks, out);
     return false;
   }
+}
+
+// warp_dot of tiled rows with pre-quantized activations (xq[.]: the q8act layout of the activation rows, as
+// store_q8act_vector writes it): the bits of warp_dot on the float activations they were made from. PF: the
+// reader's L2 prefetch distance in batches (0: none).
+template <Fmt F, int NR, int NT, bool SX, bool SM = false, int PF = 0, class Hook = NoHook>
+__device__ __forceinline__ bool warp_dot_q8act(const uint8_t* const (&w)[NR],
+                                               const uint8_t* const (&xq)[SX ? NT : NR], int64_t nblocks,
+                                               float (&out)[NR][NT], const Hook& hook = Hook{}) {
+  static_assert(fmt_tiled(F), "pre-quantized activations are read by the tiled reader");
+  static_assert(SX || NT == 1, "per-row activations take one token");
+  warp_dot_q8t<F == Fmt::Q8_0T16, NR, NT, SX, true, SM, Hook, uint8_t, PF>(w, xq, nblocks, out, hook);
+  return nblocks >= 4;
 }
 
 // A float32 row (a router row, the shared-expert gate) with x: F32X4 when the length n is a multiple of 4 (with

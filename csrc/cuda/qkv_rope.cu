@@ -12,7 +12,8 @@
  * tm_matmul) and rotates them with rope.cuh's factors, as tm_rope_kv_append does. q goes to `q`, k and v (v
  * unrotated) to the cache rows pos[0] + t; rows outside [0, max_ctx) are not written. Before pdl_wait each warp
  * prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the position it
- * finds then (checked against pos[0] after the dot product; see the kernel).
+ * finds then (checked against pos[0] after the dot product; see the kernel). With xw's int8 groups (the down
+ * stored them beside xw), tiled rows multiply those instead of rounding xw in every warp: the same bits.
  */
 #include "norm.cuh"
 #include "qdot.cuh"
@@ -44,6 +45,7 @@ struct QkvArgs {
   const float* x;
   const float* xw;   // nullable (with xss): x * norm_w computed in the kernel
   const float* xss;  // x's partial sums of squares (norm.cuh's grouped sum)
+  const uint8_t* xw_q;  // with xw (Q instantiations): xw's int8 groups as the down stored them (q8act layout)
   const float* norm_w;
   const uint8_t* w[3];  // q, k, v
   const float* bias[3];
@@ -56,7 +58,8 @@ struct QkvArgs {
   int neox;
 };
 
-template <Fmt F, bool V>
+// Q: the products read xw's int8 groups (a.xw_q) instead of rounding xw itself (tiled rows; the same bits).
+template <Fmt F, bool V, bool Q>
 __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
   extern __shared__ __align__(16) float qkv_smem[];  // qkv_smem_floats' layout
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -110,8 +113,13 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   if (!active) return;
   float out[2][1] = {{0.0f}, {0.0f}};
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
-  const float* xs[1] = {act};
-  warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+  if constexpr (Q) {
+    const uint8_t* xq[1] = {a.xw_q + t * q8act_bytes(a.hidden)};
+    warp_dot_q8act<F, 2, 1, true>(rows, xq, a.nblocks, out);
+  } else {
+    const float* xs[1] = {act};
+    warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
+  }
   // inv by this warp alone, after its dot products, from the sums in shared memory or through L1 (2 KB for a
   // 2048-value row; written before pdl_wait returned, never during this grid)
   const float inv = a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
@@ -151,7 +159,8 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
                                 float eps, const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
                                 const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
                                 int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                int64_t max_ctx, float freq_base, int neox, void* stream) {
+                                int64_t max_ctx, float freq_base, int neox, const uint8_t* xw_groups,
+                                void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "xw", xw));
@@ -179,6 +188,7 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   a.x = x;
   a.xw = xw;
   a.xss = xss;
+  a.xw_q = xw_groups;
   a.norm_w = norm_w;
   a.w[0] = static_cast<const uint8_t*>(w_q);
   a.w[1] = static_cast<const uint8_t*>(w_k);
@@ -209,12 +219,18 @@ extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, cons
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&qkv_rope_kernel<F, V>), smem, fn));
-    for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
-      const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
-      TM_TRY(launch(lim, fn, qkv_rope_kernel<F, V>, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
-                           static_cast<size_t>(smem), s, a, b0));
+    auto run = [&](auto kernel) -> int {
+      TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, fn));
+      for (int64_t b0 = 0; b0 < total; b0 += lim.max_grid_x) {
+        const int64_t nb = total - b0 < lim.max_grid_x ? total - b0 : lim.max_grid_x;
+        TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(nb)), dim3(kNormThreads),
+                      static_cast<size_t>(smem), s, a, b0));
+      }
+      return TM_OK;
+    };
+    if constexpr (fmt_tiled(F)) {
+      if (xw_groups != nullptr) return run(qkv_rope_kernel<F, V, true>);
     }
-    return TM_OK;
+    return run(qkv_rope_kernel<F, V, false>);
   });
 }

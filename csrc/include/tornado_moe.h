@@ -153,12 +153,25 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 #define TM_NORM_GROUP 4
 static inline int64_t tm_norm_groups(int64_t dim) { return (dim + TM_NORM_GROUP - 1) / TM_NORM_GROUP; }
 
+/* Int8 activation groups. Every product with Q8_0 weights multiplies its float32 activations rounded in groups of 4
+ * consecutive values: codes q_i = rint(x_i / 2^e) in [-127, 127] with the group's power-of-two scale 2^e, the
+ * smallest with max |x_i| / 2^e < 127.5 (csrc/common/act_quant.h defines it; groups below 2^-100 are 0, a NaN or
+ * infinity makes the group NaN). A kernel that writes activations may also write their groups ("groups"
+ * arguments, nullable, 16-byte aligned), so that the next product reads them instead of rounding the floats in
+ * every warp that multiplies them: the same values, so the same bits. A row of n values (n a multiple of 4) takes
+ * tm_act_groups_bytes(n) bytes: per 512 values 1024 bytes, lane l's 4 codes of steps u = 0..3 at 16 l + 4 u, then
+ * their float scales at 512 + 16 l + 4 u, group j being step j / 32 of lane j % 32. Where a function says so, its
+ * groups are written by both devices; the CPU's products read the floats (the same values). */
+static inline int64_t tm_act_groups_bytes(int64_t n) { return (n + 511) / 512 * 1024; }
+
 /* Quantized matrix product. y[t, r] = dot(W[r, :], x[t, :]) (* scale[t] if scale) (+ bias[r] if bias), each a
  * rounded operation; if accumulate: y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias
  * nullable (float32 [rows]); scale nullable (float32 [n_tokens]: tm_rmsnorm_factors' inv, so that x = xw gives the
- * normalised product). */
+ * normalised product). x_groups (nullable; [T, tm_act_groups_bytes(cols)] bytes): x's int8 groups as the
+ * kernel that wrote x wrote them (tm_attention's out_groups), read instead of rounding x. */
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
-                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale, void* stream);
+                     int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
+                     const uint8_t* x_groups, void* stream);
 
 /* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
  * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.
@@ -176,13 +189,14 @@ TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const f
  * pos[0] + t. Bitwise the result of those five calls in sequence on the same device; k and v are never stored.
  * xw and xss (both or neither, [T, hidden] and [T, tm_norm_groups(hidden)]): x * norm_w and x's partial sums of
  * squares (tm_rmsnorm_factors') as the kernel that wrote x also wrote them (tm_experts_down_accumulate's xw and
- * xss); NULL: computed here (the same bits, later). */
+ * xss); NULL: computed here (the same bits, later). xw_groups (nullable, only with xw; [T,
+ * tm_act_groups_bytes(hidden)] bytes): xw's int8 groups as that kernel wrote them. */
 TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
                        const float* norm_w, float eps, const void* w_q,
                        const void* w_k, const void* w_v, const float* b_q, const float* b_k, const float* b_v, float* q,
                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
-                       int neox, void* stream);
+                       int neox, const uint8_t* xw_groups, void* stream);
 
 /* int32 words of the scratch tm_attention needs: one record per (token, head) pair, an arrival counter (4 words)
  * then 8 partial results of head_dim + 2 floats. Pair p's record is at the same place whatever n_tokens a call has,
@@ -196,10 +210,12 @@ static inline int64_t tm_attention_scratch_words(int64_t n_tokens, int64_t n_hea
  * j = 0 .. pos[0] + t. q, out [T, n_heads, head_dim]. scratch: int32 [tm_attention_scratch_words(n_tokens, n_heads,
  * head_dim)], all zero before the first call; CUDA merges a context of more than 128 positions through it (the
  * counters are back at zero after every call, and a call of any token count may follow one of another) and the CPU
- * does not touch it. Calls sharing a scratch must not run at the same time (one stream does that). */
+ * does not touch it. Calls sharing a scratch must not run at the same time (one stream does that). out_groups
+ * (nullable, head_dim a multiple of 4; [T, tm_act_groups_bytes(n_heads * head_dim)] bytes): also out's int8
+ * groups (rows of n_heads * head_dim values), for the output projection. */
 TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, const float* v_cache, float* out,
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, void* stream);
+                        int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream);
 
 /* Router: logits[e] = dot(w_router[e, :], h[t, :]) (w_router float32 [E, hidden]); p = softmax over all E
  * (float32, max-subtracted); top_k largest p, ties to the lowest expert id, in descending order of p.
@@ -240,11 +256,25 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t n_experts,
                               int64_t ffn, int64_t hidden, void* stream);
 
+/* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
+#define TM_FFN_MAX_BLOCKS 1024
+
+/* The int32 word where tm_router_experts_gate_up's scratch holds h's int8 activation groups (what its routed
+ * blocks of Q8_0 rows multiply, csrc/common/act_quant.h): past its synchronisation words and logits, and past the
+ * words tm_router_experts_ffn keeps in a scratch they share (its flags carry epochs: no group may pass for one),
+ * on a 16-byte boundary. */
+static inline int64_t tm_router_gate_up_groups_word(int64_t n_tokens, int64_t n_experts) {
+  const int64_t gate_up = 64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts;
+  const int64_t ffn = 2 * (128 + 4 * (int64_t)TM_FFN_MAX_BLOCKS);
+  return ((gate_up > ffn ? gate_up : ffn) + 3) / 4 * 4;
+}
+
 /* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 4 * (n_tokens rounded up to 32)
  * synchronisation words (a ticket word, then two groups of 64-bit flags, each on 128-byte lines of its own),
- * then n_tokens * n_experts router logits of 64 bits (each tagged with the call). */
-static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return 64 + 4 * ((n_tokens + 31) / 32 * 32) + 2 * n_tokens * n_experts;
+ * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), then from
+ * tm_router_gate_up_groups_word per token h's int8 groups (256 words per 512 values of hidden). */
+static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * (tm_act_groups_bytes(hidden) / 4);
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
@@ -253,23 +283,26 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  *   tm_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens, top_k,
  *                      n_experts, ffn, hidden).
  * On CUDA the shared expert's rows stream while the router runs (blocks of one grid wait on integer flags, not on
- * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts)], 8-byte aligned, all
- * zero before the first call; each call leaves the synchronisation words as the next one continues from them (an
- * epoch; the logits part is work space), whatever n_tokens it has. Calls sharing a scratch must not run at the
- * same time (one stream does that), and nothing else may write it between them. With more than 64 experts, where
- * the grid would exceed the device's limits, or for a step of several tokens that tm_experts_gate_up runs as grouped
- * GEMMs, CUDA makes the two calls above instead (the same bits; the scratch is not touched). The CPU always does.
+ * the end of a launch). scratch: int32 [tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden)], 16-byte
+ * aligned, all zero before the first call; each call leaves the synchronisation words as the next one continues
+ * from them (an epoch; the logits and h's groups are work space), whatever n_tokens it has. Calls sharing a
+ * scratch must not run at the same time (one stream does that), and nothing else may write it between them. With
+ * more than 64 experts, where the grid would exceed the device's limits, or for a step of several tokens that
+ * tm_experts_gate_up runs as grouped GEMMs, CUDA makes the two calls above instead (the same bits; of the scratch
+ * only h's groups are written, which the grouped GEMMs of tiled rows read). The CPU always does.
  * gate_inp_sh (nullable, float32 [hidden]): the shared expert's gate row; then gate_sh (float32 [n_tokens]) gets
  * gate_sh[t] = sigmoid(dot(gate_inp_sh, h[t, :])), the factor tm_moe_down_accumulate would compute from
  * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every
- * block. gate_sh must be given exactly when gate_inp_sh is. */
+ * block. gate_sh must be given exactly when gate_inp_sh is. act_groups_sh and act_groups (both or neither;
+ * [T, tm_act_groups_bytes(ffn_sh)] and [T, top_k, tm_act_groups_bytes(ffn)] bytes, ffn_sh and ffn multiples of 4):
+ * also act_sh's and act's int8 groups, for tm_experts_down_accumulate. */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
                                      const float* gate_inp_sh, float* gate_sh,
                                      const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                      int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                     int32_t* scratch, void* stream);
+                                     int32_t* scratch, uint8_t* act_groups_sh, uint8_t* act_groups, void* stream);
 
 /* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
  * order, one running float32 accumulator per output row seeded from x and written once:
@@ -295,22 +328,24 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  * gate. next_norm_w, xw and xss (all or none; float32 [hidden], [T, hidden] and [T, tm_norm_groups(hidden)]): also
  * xw[t, r] = x[t, r] * next_norm_w[r], the first factor of the next normalisation, and xss, the partial sums of
  * squares of the x written here (both as tm_rmsnorm_factors writes them), so that the next layer's tm_qkv_rope need
- * not compute them. */
+ * not compute them. act_groups_sh and act_groups (both or neither): act_sh's and act's int8 groups as
+ * tm_router_experts_gate_up wrote them, read instead of the floats. xw_groups (nullable, only with xw, hidden a
+ * multiple of 4; [T, tm_act_groups_bytes(hidden)] bytes): also xw's int8 groups, for tm_qkv_rope. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                       const void* w_down,
                                       const float* act, const int32_t* ids, const float* weights, const float* h,
                                       float* x, const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
-                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn, void* stream);
+                                      int64_t top_k, int64_t n_experts, int64_t hidden, int64_t ffn,
+                                      const uint8_t* act_groups_sh, const uint8_t* act_groups, uint8_t* xw_groups,
+                                      void* stream);
 
-/* Blocks of the persistent launch tm_router_experts_ffn may use at most (its scratch holds two words a block). */
-#define TM_FFN_MAX_BLOCKS 1024
 
 /* int32 words of the scratch tm_router_experts_ffn needs (it may also serve tm_router_experts_gate_up: they share
  * its epoch word). */
-static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
+static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
   const int64_t own = 2 * (128 + 4 * (int64_t)TM_FFN_MAX_BLOCKS);
-  const int64_t gate_up = tm_router_gate_up_scratch_words(n_tokens, n_experts);
+  const int64_t gate_up = tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden);
   return own > gate_up ? own : gate_up;
 }
 
@@ -322,13 +357,14 @@ static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int6
  *   tm_experts_down_accumulate(qtype, w_down_sh, act_sh, NULL, gate_sh, ffn_sh, w_down, act, ids, weights, h, x,
  *                              n_tokens, top_k, n_experts, hidden, ffn)
  * (every output of both: h, ids, weights, act_sh, gate_sh, act and x). w_down_sh [hidden, ffn_sh] and w_down
- * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts)], as
- * tm_router_experts_gate_up's. When chosen (tm_set_ffn_one_launch or TORNADO_MOE_FFN_ONE_LAUNCH=1; off by
- * default, as it measured slower on the H200), CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED weights with
- * hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE persistent
- * launch on a device with the copy engine's bulk copies (compute capability 9; one block per multiprocessor, whose
- * blocks wait for each other: the device must not be shared with other work that holds multiprocessors, as under
- * MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says which. */
+ * [n_experts, hidden, ffn] of qtype. scratch: int32 [tm_router_experts_ffn_scratch_words(n_tokens, n_experts,
+ * hidden)], as tm_router_experts_gate_up's. When chosen (tm_set_ffn_one_launch or TORNADO_MOE_FFN_ONE_LAUNCH=1;
+ * off by default, as it measured slower on the H200), CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED
+ * weights with hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE
+ * persistent launch on a device with the copy engine's bulk copies (compute capability 9; one block per
+ * multiprocessor, whose blocks wait for each other: the device must not be shared with other work that holds
+ * multiprocessors, as under MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says
+ * which. */
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
                                  const float* w_router, int32_t* ids, float* weights, int qtype,
                                  const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,

@@ -23,7 +23,7 @@ int tm_cuda_rmsnorm_factors(const float*, const float*, float*, float*, float*, 
   return no_cuda("tm_rmsnorm_factors");
 }
 int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, const float*,
-                   void*) {
+                   const uint8_t*, void*) {
   return no_cuda("tm_matmul");
 }
 int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, const int32_t*, int64_t, int64_t,
@@ -33,11 +33,11 @@ int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, c
 int tm_cuda_qkv_rope(int, const float*, const float*, const float*, const float*, float, const void*, const void*,
                      const void*,
                      const float*, const float*, const float*, float*, float*, float*, const int32_t*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t, float, int, void*) {
+                     int64_t, int64_t, int64_t, float, int, const uint8_t*, void*) {
   return no_cuda("tm_qkv_rope");
 }
 int tm_cuda_attention(const float*, const float*, const float*, float*, const int32_t*, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, int32_t*, void*) {
+                      int64_t, int64_t, int32_t*, uint8_t*, void*) {
   return no_cuda("tm_attention");
 }
 int tm_cuda_router_topk(const float*, const float*, int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int,
@@ -59,7 +59,7 @@ int tm_cuda_experts_gate_up(int, const void*, const void*, float*, int64_t, cons
 int tm_cuda_router_experts_gate_up(const float*, const float*, float, float*, const float*, int32_t*, float*, int,
                                    const void*, const void*, float*, int64_t, const float*, float*, const void*,
                                    const void*, float*, int64_t, int64_t, int64_t, int64_t, int, int64_t, int32_t*,
-                                   void*) {
+                                   uint8_t*, uint8_t*, void*) {
   return no_cuda("tm_router_experts_gate_up");
 }
 int tm_cuda_router_experts_ffn(float*, const float*, float, float*, const float*, int32_t*, float*, int,
@@ -73,7 +73,8 @@ int tm_cuda_router_experts_ffn_launches(int, int64_t, int64_t, int64_t, int64_t,
 }
 int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, const float*, int64_t, const void*,
                                     const float*, const int32_t*, const float*, const float*, float*, const float*,
-                                    float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, void*) {
+                                    float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+                                    const uint8_t*, uint8_t*, void*) {
   return no_cuda("tm_experts_down_accumulate");
 }
 int tm_cuda_moe_down_accumulate(int, const void*, const float*, const int32_t*, const float*, const float*,

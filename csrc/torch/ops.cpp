@@ -116,6 +116,7 @@ int64_t row_bytes(int64_t qtype, int64_t cols) { return tm_qtype_row_bytes(stati
 
 constexpr auto kF32 = at::kFloat;
 constexpr auto kI32 = at::kInt;
+constexpr auto kU8 = at::kByte;  // int8 activation groups (tm_act_groups_bytes)
 
 void embedding(int64_t qtype, const Tensor& table, const Tensor& ids, const Tensor& out, int64_t n_tokens,
                int64_t vocab, int64_t dim, int64_t stream) {
@@ -152,16 +153,18 @@ void rmsnorm_factors(const Tensor& x, const Tensor& w, const Tensor& xw, const O
 }
 
 void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
-            int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, int64_t stream) {
+            int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, const OptTensor& x_groups,
+            int64_t stream) {
   Args a("tornado_moe.matmul");
   const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
   const float* b_p = a.optional<const float>(bias, "bias", kF32, rows);
   float* y_p = a.data<float>(y, "y", kF32, n_tokens * rows);
   const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
+  const uint8_t* xg_p = a.optional<const uint8_t>(x_groups, "x_groups", kU8, n_tokens * tm_act_groups_bytes(cols));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
-                    s_p, as_stream(stream)));
+                    s_p, xg_p, as_stream(stream)));
 }
 
 void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
@@ -184,7 +187,7 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
               const Tensor& w_k, const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
               const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos, int64_t n_tokens, int64_t hidden,
               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, double freq_base, bool neox,
-              int64_t stream) {
+              const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.qkv_rope");
   const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
@@ -201,15 +204,16 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
   float* kc_p = a.data<float>(k_cache, "k_cache", kF32, max_ctx * kv_rows);
   float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  const uint8_t* xwg_p = a.optional<const uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, xw_p, xss_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p,
                       bq_p, bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim,
-                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
+                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, xwg_p, as_stream(stream)));
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
                int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-               const Tensor& scratch, int64_t stream) {
+               const Tensor& scratch, const OptTensor& out_groups, int64_t stream) {
   Args a("tornado_moe.attention");
   const float* q_p = a.data<const float>(q, "q", kF32, n_tokens * n_heads * head_dim);
   const float* kc_p = a.data<const float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
@@ -218,8 +222,10 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
   c10::DeviceGuard guard(a.torch_device());
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_attention_scratch_words(n_tokens, n_heads, head_dim));
+  uint8_t* og_p =
+      a.optional<uint8_t>(out_groups, "out_groups", kU8, n_tokens * tm_act_groups_bytes(n_heads * head_dim));
   a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, sc_p,
-                       as_stream(stream)));
+                       og_p, as_stream(stream)));
 }
 
 void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, const Tensor& weights, int64_t n_tokens,
@@ -322,19 +328,21 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                             const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
                             const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
-                            int64_t stream) {
+                            const OptTensor& act_groups_sh, const OptTensor& act_groups, int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
   const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
                                                    n_tokens, top_k, n_experts, ffn, hidden);
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
-  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts));
+  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden));
+  uint8_t* ags_p = a.optional<uint8_t>(act_groups_sh, "act_groups_sh", kU8, n_tokens * tm_act_groups_bytes(ffn_sh));
+  uint8_t* ag_p = a.optional<uint8_t>(act_groups, "act_groups", kU8, n_tokens * top_k * tm_act_groups_bytes(ffn));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
                                     r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
                                     gi_p, gs_p, g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k,
-                                    normalize ? 1 : 0, ffn, sc_p, as_stream(stream)));
+                                    normalize ? 1 : 0, ffn, sc_p, ags_p, ag_p, as_stream(stream)));
 }
 
 void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
@@ -353,7 +361,7 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
   const float* gi_p = a.optional<const float>(gate_inp_sh, "gate_inp_sh", kF32, hidden);
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p =
-      a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts));
+      a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts, hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_ffn(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
                                 static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, ds_p, g.act_sh, ffn_sh, gi_p, gs_p,
@@ -361,8 +369,8 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
                                 ffn, sc_p, as_stream(stream)));
 }
 
-int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return tm_router_experts_ffn_scratch_words(n_tokens, n_experts);
+int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return tm_router_experts_ffn_scratch_words(n_tokens, n_experts, hidden);
 }
 
 int64_t router_experts_ffn_launches(bool cuda, int64_t qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
@@ -377,9 +385,11 @@ int64_t attention_scratch_words(int64_t n_tokens, int64_t n_heads, int64_t head_
   return tm_attention_scratch_words(n_tokens, n_heads, head_dim);
 }
 
-int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts) {
-  return tm_router_gate_up_scratch_words(n_tokens, n_experts);
+int64_t router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
+  return tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden);
 }
+
+int64_t act_groups_bytes(int64_t n) { return tm_act_groups_bytes(n); }
 
 void moe_down_accumulate(int64_t qtype, const Tensor& w_down, const Tensor& act, const OptTensor& ids,
                          const OptTensor& weights, const OptTensor& gate_inp, const OptTensor& h, const Tensor& x,
@@ -403,7 +413,8 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
                              const Tensor& ids, const OptTensor& weights, const OptTensor& h, const Tensor& x,
                              const OptTensor& next_norm_w, const OptTensor& xw, const OptTensor& xss, int64_t n_tokens,
                              int64_t top_k,
-                             int64_t n_experts, int64_t hidden, int64_t ffn, int64_t stream) {
+                             int64_t n_experts, int64_t hidden, int64_t ffn, const OptTensor& act_groups_sh,
+                             const OptTensor& act_groups, const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.experts_down_accumulate");
   const void* ws_p = a.weights(w_down_sh, "w_down_sh", qtype, hidden * row_bytes(qtype, ffn_sh));
   const float* acts_p = a.data<const float>(act_sh, "act_sh", kF32, n_tokens * ffn_sh);
@@ -418,10 +429,15 @@ void experts_down_accumulate(int64_t qtype, const Tensor& w_down_sh, const Tenso
   const float* nw_p = a.optional<const float>(next_norm_w, "next_norm_w", kF32, hidden);
   float* xw_p = a.optional<float>(xw, "xw", kF32, n_tokens * hidden);
   float* xss_p = a.optional<float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
+  const uint8_t* ags_p =
+      a.optional<const uint8_t>(act_groups_sh, "act_groups_sh", kU8, n_tokens * tm_act_groups_bytes(ffn_sh));
+  const uint8_t* ag_p =
+      a.optional<const uint8_t>(act_groups, "act_groups", kU8, n_tokens * top_k * tm_act_groups_bytes(ffn));
+  uint8_t* xwg_p = a.optional<uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_experts_down_accumulate(a.device(), static_cast<int>(qtype), ws_p, acts_p, gi_p, gs_p, ffn_sh, w_p,
                                      act_p, ids_p, wt_p, h_p, x_p, nw_p, xw_p, xss_p, n_tokens, top_k, n_experts, hidden, ffn,
-                                     as_stream(stream)));
+                                     ags_p, ag_p, xwg_p, as_stream(stream)));
 }
 
 void argmax(const Tensor& logits, const Tensor& out, int64_t n_tokens, int64_t vocab, int64_t stream) {
@@ -494,16 +510,17 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_factors(Tensor x, Tensor w, Tensor(a!) xw, Tensor(b!)? xss, Tensor(c!) inv, int n_tokens, int dim, "
         "float eps, int stream) -> ()");
   m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
-        "bool accumulate, Tensor? scale, int stream) -> ()");
+        "bool accumulate, Tensor? scale, Tensor? x_groups, int stream) -> ()");
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
   m.def("qkv_rope(int qtype, Tensor x, Tensor? xw, Tensor? xss, Tensor norm_w, float eps, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, "
         "Tensor? b_k, Tensor? b_v, Tensor(a!) q, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, int n_tokens, "
         "int hidden, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
-        "int stream) -> ()");
+        "Tensor? xw_groups, int stream) -> ()");
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
-        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, int stream) -> ()");
+        "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, Tensor(c!)? out_groups, "
+        "int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
         "int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
@@ -516,7 +533,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("router_experts_gate_up(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
         "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
         "Tensor? gate_inp_sh, Tensor(g!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, "
-        "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, int stream) -> ()");
+        "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, Tensor(h!)? act_groups_sh, "
+        "Tensor(i!)? act_groups, int stream) -> ()");
   m.def("router_experts_ffn(Tensor(a!) x, Tensor norm_w, float eps, Tensor(b!) h, Tensor w_router, Tensor(c!) ids, "
         "Tensor(d!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor w_down_sh, Tensor(e!) act_sh, "
         "int ffn_sh, Tensor? gate_inp_sh, Tensor(f!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor w_down, "
@@ -528,7 +546,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("experts_down_accumulate(int qtype, Tensor w_down_sh, Tensor act_sh, Tensor? gate_inp_sh, Tensor? gate_sh, "
         "int ffn_sh, Tensor w_down, Tensor act, Tensor ids, Tensor? weights, Tensor? h, Tensor(a!) x, "
         "Tensor? next_norm_w, Tensor(b!)? xw, Tensor(c!)? xss, int n_tokens, int top_k, int n_experts, int hidden, int ffn, "
-        "int stream) -> ()");
+        "Tensor? act_groups_sh, Tensor? act_groups, Tensor(d!)? xw_groups, int stream) -> ()");
   m.def("argmax(Tensor logits, Tensor(a!) out, int n_tokens, int vocab, int stream) -> ()");
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
@@ -542,9 +560,10 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("set_launch_limits_for_testing(int smem_per_block, int max_grid_yz) -> ()", &set_launch_limits_for_testing);
   m.def("set_ffn_one_launch(int on) -> ()", &set_ffn_one_launch);
   m.def("version() -> str", &version);
-  m.def("router_gate_up_scratch_words(int n_tokens, int n_experts) -> int", &router_gate_up_scratch_words);
+  m.def("router_gate_up_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_gate_up_scratch_words);
+  m.def("act_groups_bytes(int n) -> int", &act_groups_bytes);
   m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
-  m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts) -> int", &router_experts_ffn_scratch_words);
+  m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_experts_ffn_scratch_words);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
         "int ffn_sh, int ffn) -> int",
         &router_experts_ffn_launches);

@@ -81,13 +81,21 @@ class Activations:
         self.expert_weights = torch.zeros(T, k, **f32)
         # router_experts_gate_up's and router_experts_ffn's sync words (zero at first; each call leaves them
         # for the next) and logits
-        words = tm_ops.router_experts_ffn_scratch_words(T, max(cfg.n_experts, 1))
+        words = tm_ops.router_experts_ffn_scratch_words(T, max(cfg.n_experts, 1), cfg.hidden)
         self.router_scratch = torch.zeros(words, **i32)
         self.act = torch.zeros(T, k, max(cfg.expert_ffn, 1), **f32)
         ffn_dense = cfg.shared_ffn or cfg.dense_ffn
         self.act_dense = torch.zeros(T, max(ffn_dense, 1), **f32)
         # the shared-expert gate factors, written by router_experts_gate_up for experts_down_accumulate
         self.shared_gate = torch.zeros(T, **f32)
+        # int8 groups (tm_act_groups_bytes) of act_dense, act, xw and attn, written beside them for the
+        # next Q8_0 product (the down, the next qkv_rope, attn_output), which then reads them instead of
+        # rounding the floats itself
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.act_dense_groups = torch.zeros(T, tm_ops.act_groups_bytes(max(ffn_dense, 1)), **u8)
+        self.act_groups = torch.zeros(T, k, tm_ops.act_groups_bytes(max(cfg.expert_ffn, 1)), **u8)
+        self.xw_groups = torch.zeros(T, tm_ops.act_groups_bytes(cfg.hidden), **u8)
+        self.attn_groups = torch.zeros(T, tm_ops.act_groups_bytes(cfg.n_heads * cfg.head_dim), **u8)
         self.logits = torch.zeros(1, cfg.vocab, **f32)  # a step's last token's only (logits_graph)
         self.tokens = torch.zeros(T, **i32)
         self.position = torch.zeros(1, **i32)

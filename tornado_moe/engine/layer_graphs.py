@@ -42,6 +42,7 @@ from tornado_moe.errors import InputError
 from tornado_moe.graph.task_graph import DataTransferMode, ImmutableTaskGraph, TaskGraph
 from tornado_moe.kernels import ops as tm_ops
 from tornado_moe.kernels.ops import u64_as_int64
+from tornado_moe.quant.tiled import Q8_0_TILED
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,12 @@ def _fused_down(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> b
                 and not _ffn_in_one_launch(dm, i, n_tokens, fuse_experts))
 
 
+def _takes_groups(w: DeviceWeight) -> bool:
+    """Whether products with ``w`` read int8 activation groups that their producer wrote (tiled Q8_0 rows on
+    the GPU; elsewhere the product rounds the floats itself, and writing the groups would be wasted work)."""
+    return w.qtype == Q8_0_TILED
+
+
 def _writes_next_xw(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
     """Whether layer i's down writes xw = x * attn_norm of layer i + 1, for that layer's qkv_rope."""
     return (i + 1 < dm.config.n_layers and _qkv_fused(dm, i + 1)
@@ -142,16 +149,17 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # xw and xss: x's factors as the previous layer's down wrote them, when it did (else computed here)
         given = i > 0 and _writes_next_xw(dm, i - 1, T, fuse_experts)
         xw, xss = (act.xw, act.xss) if given else (None, None)
+        xw_groups = act.xw_groups if given and _takes_groups(wq) else None
         g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, xw, xss, _f32(L, "attn_norm"), cfg.rms_eps, wq.data,
                wk.data, wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"),
-               act.q, act.k_cache[i], act.v_cache[i], act.position, T, H, *heads)
+               act.q, act.k_cache[i], act.v_cache[i], act.position, T, H, *heads, xw_groups)
     else:  # the five tasks qkv_rope stands for: the deferred norm's factors, the products scaled by inv, rope
         g.task("attn_norm", "rmsnorm_factors", act.x, _f32(L, "attn_norm"), act.h, None, act.norm_inv, T, H,
                cfg.rms_eps)
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
-                   rows, H, False, act.norm_inv)
+                   rows, H, False, act.norm_inv, None)
         if cfg.qk_norm:  # q and k normalised in place, as rows of the norm's width (a head, or a token's all)
             for name, out, n, width in zip(("q", "k"), (act.q, act.k), (cfg.n_heads, cfg.n_kv_heads),
                                            cfg.qk_norm_widths, strict=True):
@@ -159,11 +167,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                        T * n * hd // width, width, cfg.rms_eps)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
-    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
-           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch)
     wo = _w(L, "attn_output")
+    # attention's int8 groups, for the output projection when its rows read them
+    attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
+    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
+           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
-           None)
+           None, attn_groups)
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
@@ -205,19 +215,26 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # router blocks also compute the shared expert's gate (gate_sh) for the fused down to read.
         fuse_router = fuse_experts and cfg.shared_ffn and s_qt == qt
         gate_sh = act.shared_gate[:T] if fuse_router and s_gate is not None else None
+        fused_down = _fused_down(dm, i, T, fuse_experts)
+        # the activations' int8 groups, from the fused gate-up to the fused down, where the down reads them
+        groups = fuse_router and fused_down and _takes_groups(sd) and _takes_groups(wd)
+        act_groups = (act.act_dense_groups, act.act_groups) if groups else (None, None)
         if fuse_router:
             router_task = None
             gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_io, qt, sg.data,
                          su.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, act.act, T, E, H, k,
-                         cfg.normalize_topk, ffn, act.router_scratch)]
-        if _fused_down(dm, i, T, fuse_experts):
+                         cfg.normalize_topk, ffn, act.router_scratch, *act_groups)]
+        if fused_down:
             gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
-            # and the next layer's xw and xss, which its qkv_rope then reads instead of computing them
-            next_w, xw, xss = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw, act.xss)
-                               if _writes_next_xw(dm, i, T, fuse_experts) else (None, None, None))
+            # and the next layer's xw and xss (and xw's groups), which its qkv_rope then reads instead of
+            # computing them
+            writes_xw = _writes_next_xw(dm, i, T, fuse_experts)
+            next_w, xw, xss = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw, act.xss) if writes_xw
+                               else (None, None, None))
+            xw_groups = act.xw_groups if writes_xw and _takes_groups(_w(dm.layers[i + 1], "attn_q")) else None
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
                       gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, next_w, xw, xss,
-                      T, k, E, H, ffn)]
+                      T, k, E, H, ffn, *act_groups, xw_groups)]
         # A decode step whose FFN half the library runs in one launch (csrc/cuda/moe_ffn.cu): one task.
         if _ffn_in_one_launch(dm, i, T, fuse_experts):
             gate_ups = [("router_experts_ffn", "router_experts_ffn", *router_io, qt, sg.data, su.data,
@@ -240,7 +257,7 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     g = TaskGraph("logits")
     g.task("output_norm", "rmsnorm", last_x, dm.output_norm.floats, last_h, 1, cfg.hidden, cfg.rms_eps)
     g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False,
-           None)
+           None, None)
     next_token = act.tokens[:1]
     advance = T  # positions the step moves on by once the next token is chosen
     if sampler.greedy:

@@ -21,6 +21,7 @@ __all__ = [
     "KERNEL_NAMES",
     "NORM_GROUP",
     "DeviceProps",
+    "act_groups_bytes",
     "advance_position",
     "argmax",
     "attention",
@@ -61,14 +62,14 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
     "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
     "rmsnorm_factors": ("x", "w", "xw", "xss", "inv", "n_tokens", "dim", "eps"),
-    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale", "x_groups"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
     "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
                  "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads", "head_dim",
-                 "max_ctx", "freq_base", "neox"),
+                 "max_ctx", "freq_base", "neox", "xw_groups"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
-                  "max_ctx", "scratch"),
+                  "max_ctx", "scratch", "out_groups"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
@@ -80,7 +81,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
                                "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                                "w_up", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn",
-                               "scratch"),
+                               "scratch", "act_groups_sh", "act_groups"),
     "router_experts_ffn": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype", "w_gate_sh",
                            "w_up_sh", "w_down_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                            "w_up", "w_down", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize",
@@ -89,7 +90,8 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
                                 "act", "ids", "weights", "h", "x", "next_norm_w", "xw", "xss", "n_tokens",
-                                "top_k", "n_experts", "hidden", "ffn"),
+                                "top_k", "n_experts", "hidden", "ffn", "act_groups_sh", "act_groups",
+                                "xw_groups"),
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
     "advance_position": ("pos", "delta", "token", "log", "log_len"),
@@ -158,9 +160,12 @@ def matmul(
     cols: int,
     accumulate: bool = False,
     scale: torch.Tensor | None = None,
+    x_groups: torch.Tensor | None = None,
 ) -> None:
-    """y = W x (* scale[t]) (+ bias) (+ y when accumulating)."""
-    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, stream_of(y))
+    """y = W x (* scale[t]) (+ bias) (+ y when accumulating). ``x_groups`` (uint8): x's int8 groups as the
+    kernel that wrote x wrote them (attention's out_groups), which Q8_0 products read instead of rounding
+    x."""
+    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, x_groups, stream_of(y))
 
 
 def rope_kv_append(
@@ -221,13 +226,17 @@ def qkv_rope(
     max_ctx: int,
     freq_base: float,
     neox: bool,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """rmsnorm_factors + the q, k, v products scaled by inv + RoPE and KV append in one launch (bitwise those
     five kernels). ``xw`` and ``xss``: x * norm_w and x's partial sums of squares as the kernel that wrote x
-    wrote them (experts_down_accumulate), or both None (computed here).
+    wrote them (experts_down_accumulate), or both None (computed here). ``xw_groups`` (uint8, with xw): xw's
+    int8 groups as that kernel wrote them (``act_groups_bytes``), which Q8_0 products read instead of rounding
+    xw in every warp: the same values.
     """
     _ops().qkv_rope(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, stream_of(q))
+                    n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, xw_groups,
+                    stream_of(q))
 
 
 def attention(
@@ -242,11 +251,14 @@ def attention(
     head_dim: int,
     max_ctx: int,
     scratch: torch.Tensor,
+    out_groups: torch.Tensor | None = None,
 ) -> None:
     """``scratch``: int32, ``attention_scratch_words(n_tokens, n_heads, head_dim)`` elements, zero before the
-    first call (each call leaves it so); CUDA merges contexts above 128 positions through it."""
+    first call (each call leaves it so); CUDA merges contexts above 128 positions through it. ``out_groups``
+    (uint8, [n_tokens, act_groups_bytes(n_heads * head_dim)]): also out's int8 groups, for the output
+    projection."""
     _ops().attention(q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch,
-                     stream_of(out))
+                     out_groups, stream_of(out))
 
 
 def attention_scratch_words(n_tokens: int, n_heads: int, head_dim: int) -> int:
@@ -369,22 +381,34 @@ def router_experts_gate_up(
     normalize: bool,
     ffn: int,
     scratch: torch.Tensor,
+    act_groups_sh: torch.Tensor | None = None,
+    act_groups: torch.Tensor | None = None,
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
-    stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts)``
-    elements, zero before the first call (each call leaves the synchronisation words for the next to continue
-    from, whatever its token count; the rest holds the router logits); calls sharing it must not overlap, and
-    nothing else may write it. With the shared expert's gate row ``gate_inp_sh`` it also writes
-    ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32 [n_tokens]), the factor experts_down_accumulate then
-    reads instead of computing it in each of its blocks."""
+    stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts,
+    hidden)`` elements, 16-byte aligned, zero before the first call (each call leaves the synchronisation
+    words for the next to continue from, whatever its token count; the rest holds the router logits and h's
+    int8 groups); calls sharing it must not overlap, and nothing else may write it. With the shared expert's
+    gate row ``gate_inp_sh`` it also writes ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32
+    [n_tokens]), the factor experts_down_accumulate then reads instead of computing it in each of its
+    blocks. ``act_groups_sh`` and ``act_groups`` (uint8, both or neither: [n_tokens, act_groups_bytes(ffn_sh)]
+    and [n_tokens, top_k, act_groups_bytes(ffn)]): also act_sh's and act's int8 groups, for the down."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
-                                  n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(act))
+                                  n_experts, hidden, top_k, normalize, ffn, scratch, act_groups_sh,
+                                  act_groups, stream_of(act))
 
 
-def router_gate_up_scratch_words(n_tokens: int, n_experts: int) -> int:
-    """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts."""
-    return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts))
+def router_gate_up_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
+    """int32 elements of the scratch router_experts_gate_up needs for this many tokens and experts (and h's
+    int8 groups, of ``hidden`` values a token)."""
+    return int(_ops().router_gate_up_scratch_words(n_tokens, n_experts, hidden))
+
+
+def act_groups_bytes(n: int) -> int:
+    """Bytes of the int8 activation groups of a row of ``n`` values (tornado_moe.h, tm_act_groups_bytes): the
+    buffers router_experts_gate_up and experts_down_accumulate write for the next Q8_0 product."""
+    return int(_ops().act_groups_bytes(n))
 
 
 def router_experts_ffn(
@@ -420,15 +444,15 @@ def router_experts_ffn(
     by default, as it measured slower on the H200), a decode step (``n_tokens == 1``, tiled Q8_0) on an sm_90
     GPU is ONE persistent launch whose weights stream through shared memory while the router runs (see
     ``router_experts_ffn_launches``). ``scratch``: int32, ``router_experts_ffn_scratch_words(n_tokens,
-    n_experts)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
+    n_experts, hidden)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
     _ops().router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                               w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act,
                               n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(x))
 
 
-def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int) -> int:
+def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
     """int32 elements of the scratch router_experts_ffn needs (enough for router_experts_gate_up too)."""
-    return int(_ops().router_experts_ffn_scratch_words(n_tokens, n_experts))
+    return int(_ops().router_experts_ffn_scratch_words(n_tokens, n_experts, hidden))
 
 
 def router_experts_ffn_launches(device: torch.device | str, qtype: int, n_tokens: int, n_experts: int,
@@ -498,15 +522,20 @@ def experts_down_accumulate(
     n_experts: int,
     hidden: int,
     ffn: int,
+    act_groups_sh: torch.Tensor | None = None,
+    act_groups: torch.Tensor | None = None,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """The shared expert's down and every routed slot's into x in one launch (bitwise the two calls). The
     shared term's gate comes from at most one of ``gate_inp_sh`` (computed here from h) and ``gate_sh`` (the
     factors router_experts_gate_up wrote: the same bits). With ``next_norm_w`` also ``xw`` = x * next_norm_w
     and ``xss``, x's partial sums of squares: the next normalisation's factors as rmsnorm_factors writes them,
-    for the next layer's qkv_rope."""
+    for the next layer's qkv_rope. ``act_groups_sh``/``act_groups``: the activations' int8 groups as
+    router_experts_gate_up wrote them (read instead of the floats: the same values); ``xw_groups`` (with xw):
+    also xw's groups, for qkv_rope."""
     _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down, act, ids,
                                    weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden,
-                                   ffn, stream_of(x))
+                                   ffn, act_groups_sh, act_groups, xw_groups, stream_of(x))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor, n_tokens: int, vocab: int) -> None:

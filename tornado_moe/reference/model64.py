@@ -16,6 +16,10 @@ clarity, not speed:
   order, plus the qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)``;
   ``x += routed + shared``
 - logits = ``output`` (or ``token_embd`` when tied) @ ``rmsnorm(x) * output_norm``
+
+Every product with a Q8_0 weight takes its activations rounded to int8 groups (:func:`q8_round`, as the
+kernels do: csrc/common/act_quant.h). The rounding applies to the vector the kernels multiply: for q, k, v
+that is ``x * attn_norm``, the product then scaled by ``1 / rms(x)`` (the kernels' deferred norm).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 from tornado_moe.errors import InputError
 from tornado_moe.model.config import ModelConfig
 from tornado_moe.model.gguf_model import GGUFModel, QTensor
+from tornado_moe.quant.formats import QuantType
 
-__all__ = ["KVCache", "ReferenceModel", "rmsnorm", "rope", "route_topk"]
+__all__ = ["KVCache", "ReferenceModel", "q8_groups", "q8_round", "rmsnorm", "rope", "route_topk"]
 
 _F64 = torch.float64
 
@@ -55,6 +60,36 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool) -> 
     out[..., 0::2] = a * cos - b * sin
     out[..., 1::2] = a * sin + b * cos
     return out
+
+
+def q8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 groups of ``x`` (csrc/common/act_quant.h), in x's dtype: codes [..., n / 4, 4] (integers in
+    [-127, 127]) and scales [..., n / 4, 1].
+
+    Groups of 4 consecutive values of the last dimension; per group the scale 2^e is the smallest power of
+    two with max |x| * 2^-e < 127.5, and the codes are rint(x * 2^-e) (ties to even). Groups whose largest
+    magnitude is below 2^-100 get codes 0 and scale 0, groups with a NaN or an infinity codes 0 and scale NaN
+    (computed in x's dtype, so a float32 input gives the kernels' groups exactly).
+    """
+    g = x.reshape(*x.shape[:-1], -1, 4)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(g).all(dim=-1, keepdim=True)
+    _, k = torch.frexp(torch.where(finite, amax, torch.ones_like(amax)))  # amax in [2^(k-1), 2^k)
+    e = k - 7
+    e = torch.where(torch.ldexp(amax, -e) >= 127.5, e + 1, e)
+    tiny = amax < 2.0**-100
+    codes = torch.where(finite & ~tiny, torch.round(torch.ldexp(g, -e)), torch.zeros_like(g))
+    scale = torch.ldexp(torch.ones_like(amax), e)
+    scale = torch.where(tiny, torch.zeros_like(scale), scale)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    return codes, scale
+
+
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """The values the int8 groups of ``x`` stand for (q8_groups: codes * scale): what a dot product with Q8_0
+    weights multiplies."""
+    codes, scale = q8_groups(x)
+    return (codes * scale).reshape(x.shape)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +127,28 @@ class ReferenceModel:
         def deq(t: QTensor | None) -> torch.Tensor | None:
             return None if t is None else torch.from_numpy(t.dequantize()).to(_F64)
 
+        def q8(t: QTensor | None) -> bool:
+            return t is not None and t.qtype == QuantType.Q8_0
+
         self.token_embd = deq(model.token_embd)
         self.output_norm = deq(model.output_norm)
         out = model.output
         self.output = self.token_embd if out is None else deq(out)
+        self.output_q8 = q8(model.token_embd if out is None else out)
         self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.q8_keys: list[set[str]] = []  # per layer, the weights whose products round their activations
         for i in range(c.n_layers):
-            self.layers.append({key: deq(t) for key, t in model.layer(i).items()})
+            tensors = model.layer(i)
+            self.layers.append({key: deq(t) for key, t in tensors.items()})
+            self.q8_keys.append({key for key, t in tensors.items() if q8(t)})
+
+    def _mm(self, i: int, key: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for layer i's 2-D weight ``key``, x as the kernels multiply it (:meth:`_act`)."""
+        return self._act(i, key, x) @ self.layers[i][key].T
+
+    def _act(self, i: int, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The activations a product with layer i's weight ``key`` multiplies."""
+        return q8_round(x) if key in self.q8_keys[i] else x
 
     # -----------------------------------------------------------------------------------------------
     def new_cache(self, max_ctx: int) -> KVCache:
@@ -118,8 +168,10 @@ class ReferenceModel:
     def _attention(self, i: int, x: torch.Tensor, cache: KVCache, pos0: int) -> torch.Tensor:
         c, L = self.config, self.layers[i]
         T = x.shape[0]
-        xn = rmsnorm(x, L["attn_norm"], c.rms_eps)
-        q, k, v = xn @ L["attn_q"].T, xn @ L["attn_k"].T, xn @ L["attn_v"].T
+        # the kernels' deferred norm: W (x * attn_norm), then / rms(x) (the same as W rmsnorm(x) unrounded)
+        xw = x * L["attn_norm"]
+        inv = 1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + c.rms_eps)
+        q, k, v = (self._mm(i, key, xw) * inv for key in ("attn_q", "attn_k", "attn_v"))
         if c.qkv_bias:
             q, k, v = q + L["attn_q_bias"], k + L["attn_k_bias"], v + L["attn_v_bias"]
         if c.qk_norm:  # an RMSNorm over each stretch of the norm's width: a head, or all of q / all of k
@@ -145,26 +197,30 @@ class ReferenceModel:
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         attn = torch.einsum("hts,shd->thd", probs, vals).reshape(T, c.n_heads * c.head_dim)
-        return attn @ L["attn_output"].T
+        return self._mm(i, "attn_output", attn)
 
     def _ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         c, L = self.config, self.layers[i]
         h = rmsnorm(x, L["ffn_norm"], c.rms_eps)
         silu = torch.nn.functional.silu
+
+        def ffn(gate: str, up: str, down: str) -> torch.Tensor:
+            return self._mm(i, down, silu(self._mm(i, gate, h)) * self._mm(i, up, h))
+
         if not c.is_moe:
-            return (silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
+            return ffn("ffn_gate", "ffn_up", "ffn_down")
         ids, w = route_topk(h @ L["ffn_gate_inp"].T, c.top_k, c.normalize_topk)
         out = torch.zeros_like(h)
         gate, up, down = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
+        hg, hu = self._act(i, "ffn_gate_exps", h), self._act(i, "ffn_up_exps", h)
         for t in range(h.shape[0]):
             for s in range(c.top_k):  # fixed slot order
                 e = int(ids[t, s])
-                y = (silu(gate[e] @ h[t]) * (up[e] @ h[t])) @ down[e].T
-                out[t] += w[t, s] * y
+                a = silu(gate[e] @ hg[t]) * (up[e] @ hu[t])
+                out[t] += w[t, s] * (down[e] @ self._act(i, "ffn_down_exps", a))
         if c.shared_ffn:
             g = torch.sigmoid(h @ L["ffn_gate_inp_shexp"])[:, None]  # [T, 1]
-            y_sh = (silu(h @ L["ffn_gate_shexp"].T) * (h @ L["ffn_up_shexp"].T)) @ L["ffn_down_shexp"].T
-            out = out + g * y_sh
+            out = out + g * ffn("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
         return out
 
     def forward(
@@ -194,7 +250,8 @@ class ReferenceModel:
             if return_hidden:
                 hidden.append(x.clone())
         cache.length = pos0 + T
-        logits = rmsnorm(x, self.output_norm, c.rms_eps) @ self.output.T
+        h = rmsnorm(x, self.output_norm, c.rms_eps)
+        logits = (q8_round(h) if self.output_q8 else h) @ self.output.T
         return (logits, hidden) if return_hidden else logits
 
     def generate_greedy(self, prompt_ids: Sequence[int], n_new: int) -> list[int]:

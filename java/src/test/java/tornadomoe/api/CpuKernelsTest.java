@@ -170,9 +170,9 @@ public class CpuKernelsTest {
         ByteBuffer acc = NativeTestSupport.floats(y0);
         TaskGraph g = new TaskGraph("g")
                 .task("mm", "matmul", F32, buf(wb, "w"), buf(xb, "x"), null, buf(plain, "plain"), (long) tokens,
-                        (long) rows, (long) cols, false, null)
+                        (long) rows, (long) cols, false, null, null)
                 .task("mm_bias_acc", "matmul", F32, buf(wb, "w"), buf(xb, "x"), buf(NativeTestSupport.floats(bias),
-                        "bias"), buf(acc, "acc"), (long) tokens, (long) rows, (long) cols, 1, null);
+                        "bias"), buf(acc, "acc"), (long) tokens, (long) rows, (long) cols, 1, null, null);
         run(g);
         float[] p = NativeTestSupport.readFloats(plain, tokens * rows);
         float[] a = NativeTestSupport.readFloats(acc, tokens * rows);
@@ -210,7 +210,7 @@ public class CpuKernelsTest {
         ByteBuffer y = NativeTestSupport.zeros(tokens * rows);
         run(new TaskGraph("g").task("mm", "matmul", Q8_0, buf(q8_0(rows, cols, scales, codes), "w"),
                 buf(NativeTestSupport.floats(x), "x"), null, buf(y, "y"), (long) tokens, (long) rows,
-                (long) cols, false, null));
+                (long) cols, false, null, null));
         float[] got = NativeTestSupport.readFloats(y, tokens * rows);
         for (int t = 0; t < tokens; t++) {
             for (int r = 0; r < rows; r++) {
@@ -236,6 +236,32 @@ public class CpuKernelsTest {
         run(new TaskGraph("g").task("argmax", "argmax", buf(NativeTestSupport.floats(logits), "logits"),
                 buf(out, "out"), 4L, 5L));
         assertArrayEquals(new int[] {1, 2, 0, 4}, NativeTestSupport.readInts(out, 4));
+    }
+
+    /**
+     * The values a Q8_0 product multiplies for the finite activations h (csrc/common/act_quant.h): per group of 4,
+     * rint(v * 2^-e) * 2^e, 2^e the smallest power of two that puts the group's largest |v| below 127.5; groups
+     * below 2^-100 are 0.
+     */
+    private static double[] q8Round(float[] h) {
+        double[] out = new double[h.length];
+        for (int j = 0; j < h.length; j += 4) {
+            float amax = 0f;
+            for (int i = 0; i < 4; i++) {
+                amax = Math.max(amax, Math.abs(h[j + i]));
+            }
+            if (amax < 0x1p-100f) {
+                continue;
+            }
+            int e = Math.getExponent(amax) - 6;  // amax * 2^-e in [64, 128)
+            if (Math.scalb(amax, -e) >= 127.5f) {
+                e++;
+            }
+            for (int i = 0; i < 4; i++) {
+                out[j + i] = Math.scalb(Math.rint(Math.scalb(h[j + i], -e)), e);
+            }
+        }
+        return out;
     }
 
     /** embedding -> rmsnorm -> Q8_0 matmul -> argmax in one graph, against a double reference. */
@@ -276,7 +302,7 @@ public class CpuKernelsTest {
                 .task("norm", "rmsnorm", xb, buf(NativeTestSupport.floats(normW), "norm_w"), hb, 1L, (long) dim,
                         1e-6f)
                 .task("output", "matmul", Q8_0, buf(q8_0(outRows, dim, scales, codes), "output_w"), hb, null, lb,
-                        1L, (long) outRows, (long) dim, false, null)
+                        1L, (long) outRows, (long) dim, false, null, null)
                 .task("argmax", "argmax", lb, buf(next, "next"), 1L, (long) outRows)
                 .transferToHost(DataTransferMode.EVERY_EXECUTION, buf(next, "next"));
         run(g);
@@ -286,12 +312,16 @@ public class CpuKernelsTest {
             ss += (double) table[token * dim + c] * table[token * dim + c];
         }
         double inv = 1.0 / Math.sqrt(ss / dim + 1e-6f);
+        float[] hn = new float[dim];
+        for (int c = 0; c < dim; c++) {
+            hn[c] = (float) (table[token * dim + c] * inv * normW[c]);
+        }
+        double[] hq = q8Round(hn);  // a Q8_0 product multiplies h's int8 groups
         double[] ref = new double[outRows];
         int best = 0;
         for (int r = 0; r < outRows; r++) {
             for (int c = 0; c < dim; c++) {
-                double hc = table[token * dim + c] * inv * normW[c];
-                ref[r] += codes[r * dim + c] * FP16_VALUES[scaleIdx[r * blocks + c / 32]] * hc;
+                ref[r] += codes[r * dim + c] * FP16_VALUES[scaleIdx[r * blocks + c / 32]] * hq[c];
             }
             if (ref[r] > ref[best]) {
                 best = r;
