@@ -71,9 +71,20 @@ configure() {  # source dir, build dir, log[, extra nvcc flags]
 # stage.
 IFS=';' read -ra TUNES <<< "${TUNING:-}"
 TUNE_PIDS=()
+# The commit a tuning build's reports name: a carried tree's own .tune-<name>/.device_commit (written like
+# .device_commit, e.g. `git rev-parse --short main > .tune-main/.device_commit`), else tune-<name>; this tree's
+# rebuilds with flags are <commit>+<name>.
+declare -A TUNE_COMMIT=()
+tune_run() {  # tuning build name, seconds, command...: run in that build's tree, its reports naming its commit
+  local name=$1 secs=$2; shift 2
+  (cd "/tmp/tune-$name" && TORNADO_MOE_GIT_COMMIT=${TUNE_COMMIT[$name]} PYTHONPATH=/tmp/site:/tmp/tune-$name \
+    timeout -k 10 "$(left "$secs")" "$@")
+}
 if want tuning; then
   for t in "${TUNES[@]}"; do
     name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name; src=.; [ -d ".tune-$name" ] && src=.tune-$name
+    if [ "$src" = . ]; then TUNE_COMMIT[$name]=${TORNADO_MOE_GIT_COMMIT:-unknown}+$name
+    else TUNE_COMMIT[$name]=$(tr -d '[:space:]' < "$src/.device_commit" 2>/dev/null); : "${TUNE_COMMIT[$name]:=tune-$name}"; fi
     rm -rf "$dir"; mkdir -p "$dir"
     tar -c -C "$src" --exclude=./build --exclude='./.baseline*' --exclude='./.tune-*' --exclude=./.whl . | tar -x -C "$dir"
     (renice -n 10 "$BASHPID" > /dev/null; configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags") &
@@ -139,7 +150,8 @@ if want tuning; then  # the tuning builds' tiled kernels timed
   for t in "${TUNES[@]}"; do
     name=${t%%:*}
     [ -z "${TUNING_KB:-}" ] || [[ ",$TUNING_KB," == *",$name,"* ]] || continue
-    PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "$name" \
+    TORNADO_MOE_GIT_COMMIT=${TUNE_COMMIT[$name]} PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" \
+      $PY scripts/kernel_bench.py --label "$name" \
       --layout tiled ${TUNING_KB_ARGS:-${KB_ARGS:-}} --json "$OUT/kernels_tune_$name.json" | tee "$OUT/kernels_tune_$name.log"
   done
   if [ -n "${TUNING_TESTS:-}" ]; then  # and each build's GPU tests (its own test files)
@@ -160,14 +172,14 @@ if want tuning; then  # the tuning builds' tiled kernels timed
       name=${t%%:*}
       [ "$TUNING_BENCH" = 1 ] || [[ ",$TUNING_BENCH," == *",$name,"* ]] || continue
       # from its own tree: `python -m` puts the working directory first on the path
-      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench \
+      tune_run "$name" 60 $CLI bench \
         --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch \
-        --json "$OUT/bench_tune_$name.json" > "$OUT/bench_tune_$name.log" 2>&1)
+        --json "$OUT/bench_tune_$name.json" > "$OUT/bench_tune_$name.log" 2>&1
       echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
       if [ -n "${TUNING_PROFILE:-}" ]; then  # the chain time per kernel kind, fused + graphs
-        (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 40)" $CLI profile \
+        tune_run "$name" 40 $CLI profile \
           --model "$MODEL" --device cuda -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" \
-          > "$OUT/profile_tune_$name.log" 2>&1)
+          > "$OUT/profile_tune_$name.log" 2>&1
         grep -E "attn|attention|router|experts|chain" "$OUT/profile_tune_$name.log"
       fi
     done
@@ -177,10 +189,10 @@ if want tuning; then  # the tuning builds' tiled kernels timed
     for t in "${TUNES[@]}"; do
       name=${t%%:*}
       [[ ",$TUNING_PREFILL," == *",$name,"* ]] || continue
-      (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" $CLI bench \
+      tune_run "$name" 60 $CLI bench \
         --model "$MODEL" --device cuda --prompt-tokens ${PREFILL_TOKENS:-512} -n 2 --repeats 3 \
         --compare fused,graphs,torch,batched-prefill --json "$OUT/bench_prefill_tune_$name.json" \
-        > "$OUT/bench_prefill_tune_$name.log" 2>&1)
+        > "$OUT/bench_prefill_tune_$name.log" 2>&1
       echo "$name prefill:"; tail -2 "$OUT/bench_prefill_tune_$name.log"
     done
   fi
@@ -189,16 +201,16 @@ fi
 [ -n "$SYNTH" ] && wait "$SYNTH"; [ -f "$OUT/synth.log" ] && tail -2 "$OUT/synth.log"
 if want tuning && [ -n "${TIMELINE:-}" ]; then  # TIMELINE=<tuning name built with -DTM_RGU_TIMELINE=1>
   stamp "router_experts_gate_up timeline (tuning build $TIMELINE)"
-  (cd /tmp/tune-$TIMELINE && PYTHONPATH=/tmp/site:/tmp/tune-$TIMELINE timeout -k 10 "$(left 60)" \
-    $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" --raw "$OUT/timeline_rows.npz" > "$OUT/timeline.log" 2>&1)
+  tune_run "$TIMELINE" 60 $PY "$ROOT/scripts/rgu_timeline.py" --model "$MODEL" --json "$OUT/timeline.json" \
+    --raw "$OUT/timeline_rows.npz" > "$OUT/timeline.log" 2>&1
   cat "$OUT/timeline.log"
 fi
 if want tuning && [ -n "${FFN_TIMELINE:-}" ]; then  # FFN_TIMELINE=<tuning names built with -DTM_FFN_TIMELINE=1>
   for name in ${FFN_TIMELINE//,/ }; do
     stamp "router_experts_ffn timeline (tuning build $name)"
-    (cd /tmp/tune-$name && PYTHONPATH=/tmp/site:/tmp/tune-$name timeout -k 10 "$(left 60)" \
+    tune_run "$name" 60 \
       $PY "$ROOT/scripts/ffn_timeline.py" --model "$MODEL" --json "$OUT/ffn_timeline_$name.json" \
-      > "$OUT/ffn_timeline_$name.log" 2>&1)
+      > "$OUT/ffn_timeline_$name.log" 2>&1
     cat "$OUT/ffn_timeline_$name.log"
   done
 fi
