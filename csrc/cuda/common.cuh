@@ -122,16 +122,6 @@ template <int kThreads>
 __device__ __forceinline__ void named_barrier(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
-// Barrier kId (an immediate: ptxas then reserves that barrier only, not all 16) of kThreads threads: a warp waits
-// there (sync) or arrives without waiting (arrive; its prior shared-memory writes are visible to the waiting ones).
-template <int kId, int kThreads>
-__device__ __forceinline__ void named_barrier_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
-template <int kId, int kThreads>
-__device__ __forceinline__ void named_barrier_arrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
 
 // Before pdl_wait, the value a small device word (the decode position) holds now: a guess only, since the previous
 // kernel may still rewrite it. A kernel uses it for work it checks after pdl_wait (hints, or results it recomputes

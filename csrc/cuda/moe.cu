@@ -160,43 +160,21 @@ __device__ __forceinline__ float slot_weight(const Args& a, int64_t slot) {
 #ifndef TM_PROBE_SH_Q8
 #define TM_PROBE_SH_Q8 1
 #endif
-// Measurement knob of the gate-up's group epilogue (results/NOTES.md lesson 143): 0 (the product) a barrier of the
-// whole block, then warp 0 forms both groups; 1: each half's warps 1-3 arrive at the half's named barrier and
-// leave, warp 0 of the half waits there and forms its group (no warp waits for the other half).
-#ifndef TM_GU_GROUP_SYNC
-#define TM_GU_GROUP_SYNC 0
-#endif
 // The int8 groups of a block's kRowsPerBlock consecutive values (warp w's lane 0 holds value w, row tile * 8 + w
-// of a row of n values, n a multiple of 4): two groups of the row's q8act layout at buf (every warp of the block
-// calls it). The consumer (the down) reads them instead of rounding the floats itself: the same groups, made once.
+// of a row of n values, n a multiple of 4): two groups of the row's q8act layout at buf, written by warp 0 after a
+// barrier of the whole block (every warp of the block calls it). The consumer (the down) reads them instead of
+// rounding the floats itself: the same groups, made once.
 __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t tile, int64_t n, float v) {
   static_assert(kRowsPerBlock == 8, "a block's rows are two groups");
   __shared__ float s_vals[kRowsPerBlock];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) s_vals[warp] = v;
-#if TM_GU_GROUP_SYNC == 1
-  constexpr int kHalf = kRowsPerBlock / 2 * 32;
-  const int half = warp >> 2;
-  if ((warp & 3) != 0) {
-    if (half == 0) named_barrier_arrive<1, kHalf>();
-    else named_barrier_arrive<2, kHalf>();
-    return;
-  }
-  if (half == 0) named_barrier_sync<1, kHalf>();
-  else named_barrier_sync<2, kHalf>();
-  const int64_t j = static_cast<int64_t>(tile) * 2 + half;
-  if (lane == 0 && 4 * j < n) {
-    const float* q = s_vals + 4 * half;
-    store_q8act(buf, j, tm_act::q8_group(q[0], q[1], q[2], q[3]));
-  }
-#else
   __syncthreads();
   const int64_t j = static_cast<int64_t>(tile) * 2 + lane;  // the group of rows 4j .. 4j + 3
   if (warp == 0 && lane < 2 && 4 * j < n) {
     const float* q = s_vals + 4 * lane;
     store_q8act(buf, j, tm_act::q8_group(q[0], q[1], q[2], q[3]));
   }
-#endif
 }
 
 // Warp `warp` of the block for (pair, row tile): act[t, s, r] = silu(g) * u with g, u one warp_dot (NR = 2) of
