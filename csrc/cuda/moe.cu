@@ -222,6 +222,17 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
 constexpr int gate_up_min_blocks(Fmt f) {
   return fmt_tiled(f) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
+// Measurement knobs (results/NOTES.md lesson 143): blocks per SM of router_experts_gate_up and of the down on tiled
+// rows (4: the product; int8 activations leave the decode's instantiations registers to spare for 5).
+#ifndef TM_RGU_TILED_MIN_BLOCKS
+#define TM_RGU_TILED_MIN_BLOCKS 4
+#endif
+#ifndef TM_DOWN_TILED_MIN_BLOCKS
+#define TM_DOWN_TILED_MIN_BLOCKS 4
+#endif
+constexpr int router_gate_up_min_blocks(Fmt f) {
+  return fmt_tiled(f) ? TM_RGU_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
+}
 
 template <Fmt F, bool V>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
@@ -556,7 +567,7 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 }
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
+__global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync,
                                   uint8_t* h_groups) {
@@ -798,7 +809,7 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
-  return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
+  return fmt_tiled(s) && fmt_tiled(r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
 }
 
 // Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0
