@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -102,3 +104,12 @@ def spm_vocab() -> tuple[dict, object]:
         "tokenizer.ggml.eos_token_id": 2,
     }
     return metadata, sp
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,24 +4,13 @@ documents)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rgu_timeline.py"
-
-
-def load_script():  # scripts/ is not a package
-    spec = importlib.util.spec_from_file_location("rgu_timeline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script
 
 
 def test_summary_times_each_role_from_the_first_block() -> None:
-    tl = load_script()
+    tl = load_script("rgu_timeline")
     base = 5 * 10**12  # the global timer in ns
     blocks = [(0, [0, 100, 200, 1500, 6000]), (1, [50, 150, 150, 900, 4000]), (1, [60, 160, 160, 950, 4200]),
               (2, [70, 170, 300, 6100, 9000]), (2, [4000, 4100, 4200, 6200, 9500]),

@@ -3,20 +3,11 @@ in the tools' formats), and, where nvcc and cuobjdump are installed, a real kern
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sass_loops.py"
-
-
-def load_script():  # scripts/ is not a package
-    spec = importlib.util.spec_from_file_location("sass_loops", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script
 
 
 def line(addr: int, text: str) -> str:
@@ -28,7 +19,7 @@ def listing(name: str, body: list[str]) -> str:
 
 
 def test_loops_are_backward_branches_that_hold_the_op() -> None:
-    s = load_script()
+    s = load_script("sass_loops")
     body = [line(0x00, "MOV R1, c[0x0][0x28]"),
             line(0x10, "LDG.E.128 R8, desc[UR4][R2.64]"),  # loop A: 0x10 .. 0x40, 4 instructions, with IDP
             line(0x20, "IDP.4A.S8.S8 R9, R9, R8, RZ"),
@@ -48,7 +39,7 @@ def test_loops_are_backward_branches_that_hold_the_op() -> None:
 
 
 def test_ptxas_report_gives_registers_and_spills_per_kernel() -> None:
-    s = load_script()
+    s = load_script("sass_loops")
     report = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
               "ptxas info    : Function properties for _Z1kv\n"
               "    8 bytes stack frame, 16 bytes spill stores, 24 bytes spill loads\n"
@@ -62,7 +53,7 @@ def test_ptxas_report_gives_registers_and_spills_per_kernel() -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_a_real_kernel_compiled_and_read_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    s = load_script()
+    s = load_script("sass_loops")
     try:
         s.find_cuobjdump()
     except SystemExit:
