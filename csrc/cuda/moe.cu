@@ -222,7 +222,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
 constexpr int gate_up_min_blocks(Fmt f) {
   return fmt_tiled(f) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
-// Measurement knobs (results/NOTES.md lesson 143): blocks per SM of router_experts_gate_up and of the down on tiled
+// Measurement knobs (results/NOTES.md lesson 144): blocks per SM of router_experts_gate_up and of the down on tiled
 // rows (4: the product; int8 activations leave the decode's instantiations registers to spare for 5).
 #ifndef TM_RGU_TILED_MIN_BLOCKS
 #define TM_RGU_TILED_MIN_BLOCKS 4
