@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where router_experts_gate_up's time goes inside the decode chain (results/NOTES.md lesson 46 a).
 
-Alone the fused launch takes ~3.8 us more than the same gate-ups without the router, and in the chain it
-is ~9 us a layer above a pure read of its bytes. This runs decode steps (fused, CUDA graph) of a model on a
-library built with ``-DTM_RGU_TIMELINE=1`` (csrc/cuda/moe.cu: every block of the latest launch stamps the
+Alone the fused launch takes ~3.8 us more than the same gate-ups without the router, and in the chain it is ~9
+us a layer above a pure read of its bytes. This runs decode steps (fused, CUDA graph) of a model on a library
+built with ``-DTM_RGU_TIMELINE=1`` (csrc/cuda/rgu_timeline.cuh: every block of the latest launch stamps the
 global timer at its start, after pdl_wait, when its role is known, when its inputs are ready and when its
 warps end; the experts_down launch after it stamps too, on the same clock: its start, pdl_wait, when its last
 routed warp and its last shared warp finished their dot products, and its end), reads the stamps of the step's
@@ -35,8 +35,8 @@ from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
 T = TypeVar("T")
-ROWS = 8192  # kTimelineRows in csrc/cuda/moe.cu
-# moe.cu's TimelineRow (48 bytes, static_assert there): the timer at the five events (ns), role, SM
+ROWS = 8192  # kTimelineRows in csrc/cuda/rgu_timeline.cuh
+# rgu_timeline.cuh's TimelineRow (48 bytes, static_assert there): the timer at the five events (ns), role, SM
 ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
 ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")

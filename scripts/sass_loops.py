@@ -9,8 +9,9 @@ branch and the instructions it jumps over) that holds an instruction matching --
 reader's DP4A). Run it on two builds, with and without a change, to see whether the change moved a
 reader's loop before spending device time on it:
 
-  python3 scripts/sass_loops.py csrc/cuda/moe.cu --kernel 'router_experts_gate_up_kernel.*FmtE2ELb1'
-  python3 scripts/sass_loops.py csrc/cuda/moe.cu --kernel '...' --flags=-DTM_PROBE_GU_GROUPS=0
+  python3 scripts/sass_loops.py csrc/cuda/moe_router_gate_up.cu \
+      --kernel 'router_experts_gate_up_kernel.*FmtE2ELb1'
+  python3 scripts/sass_loops.py csrc/cuda/moe_gate_up.cu --kernel '...' --flags=-DTM_PROBE_GU_GROUPS=0
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("source", type=Path, help="a CUDA source of csrc/cuda, e.g. csrc/cuda/moe.cu")
+    parser.add_argument("source", type=Path, help="a CUDA source of csrc/cuda, e.g. csrc/cuda/moe_down.cu")
     parser.add_argument("--kernel", required=True, help="regular expression matched against mangled names")
     parser.add_argument("--op", default="IDP", help="an opcode the reported loops must hold (default: IDP)")
     parser.add_argument("--flags", default="", help="extra nvcc flags in one string: --flags='-DA=1 -DB=0'")

@@ -1,5 +1,5 @@
 """scripts/rgu_timeline.py's summary of the measurement build's stamps (the GPU run itself needs a library
-built with -DTM_RGU_TIMELINE=1; here the rows are written by hand, in the layout csrc/cuda/moe.cu
+built with -DTM_RGU_TIMELINE=1; here the rows are written by hand, in the layout csrc/cuda/rgu_timeline.cuh
 documents)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     for i, (role, t) in enumerate(blocks):
         rows[i]["t"] = [base + x for x in t]
         rows[i]["role"], rows[i]["sm"] = role, 7
-    assert tl.ROW.itemsize == 48  # moe.cu's TimelineRow
+    assert tl.ROW.itemsize == 48  # rgu_timeline.cuh's TimelineRow
     s = tl.summarize(rows[rows["t"][:, 0] > 0])
     assert s["blocks"] == 5 and s["span_us"] == pytest.approx(9.5)  # the gate-up launch's, without the down
     assert s["topk"] == pytest.approx([1.6, 2.5, 3.0, 3.4, 3.5])

@@ -37,7 +37,7 @@
  *   act     the same, RG -> RD.
  * Finally each block adds its rows' terms into x in the order of the two launches: x + shared, then slot 0, 1, ...
  * Every dot product is qdot.cuh's warp_dot on the same rows (read from shared memory: its SM reader) and every
- * epilogue the same rounded operations as moe.cu's kernels, so every output is theirs bit for bit.
+ * epilogue the same rounded operations as moe.cuh's kernels, so every output is theirs bit for bit.
  */
 #include <algorithm>
 
@@ -399,7 +399,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
   if (threadIdx.x == 0) ffn_stamp(kEvH);
 
   const int nb_h = a.hidden / 32, nb_fs = a.ffn_sh / 32, nb_f = a.ffn / 32;
-  // Gate-up: a row pair (gate row, up row) a warp; act = silu(g) * u (moe.cu's gate_up_block).
+  // Gate-up: a row pair (gate row, up row) a warp; act = silu(g) * u (moe.cuh's gate_up_block).
   auto gate_up = [&](const Chunk& c, const uint8_t* st, float* act) {
     if (wg >= c.n) return;
     const uint8_t* wr[2] = {st + wg * a.rb_h, st + (kTileRows + wg) * a.rb_h};
@@ -408,7 +408,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     warp_dot<FH, 2, 1, true, true, true>(wr, xs, nb_h, gu);
     if (lane == 0) act[c.first + wg] = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   };
-  // moe.cu's shared term: w_eff * dot(W_down_sh[r], act_sh), w_eff the gate (1 without one)
+  // moe_experts_down.cu's shared term: w_eff * dot(W_down_sh[r], act_sh), w_eff the gate (1 without one)
   auto shared_down = [&](const Chunk& c, const uint8_t* st) {
     if (wg >= c.n) return;
     const uint8_t* wr[1] = {st + wg * a.rb_fs};
@@ -417,7 +417,7 @@ __device__ __forceinline__ void ffn_consumer(const FfnArgs& a, const BlockWork& 
     warp_dot<FS, 1, 1, false, V, true>(wr, xs, nb_fs, d);
     if (lane == 0) s_sh[c.first - w.row0 + wg] = __fmul_rn(sm.gate, d[0][0]);
   };
-  // moe.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
+  // moe_experts_down.cu's routed terms: w_eff * dot(W_down[e][r], act[s]) for a row pair sharing the slot's activations
   auto routed_down = [&](const Chunk& c, const uint8_t* st) {
     if (2 * wg >= c.n) return;
     const uint8_t* wr[2] = {st + 2 * wg * a.rb_f, st + (2 * wg + 1) * a.rb_f};

@@ -1,6 +1,7 @@
 /*
  * router.cuh - internal to csrc/cuda: THE router arithmetic, shared by router_kernel (router.cu) and the router
- * phase of the fused router + expert gate-up kernel (moe.cu), so both give the same ids and weights bit for bit.
+ * phase of the fused router + expert gate-up kernel (moe_router_gate_up.cu), so both give the same ids and weights
+ * bit for bit.
  *
  *   logit e = qdot.cuh's warp_dot_f32_row of router row e with h (its layout chosen by f32_row_mode);
  *   the pick order: p descending, NaN lowest, then expert id ascending (a strict total order on distinct ids);
@@ -17,8 +18,8 @@
 
 namespace tm_cuda {
 
-// A measurement hook: moe.cu's timeline build (-DTM_RGU_TIMELINE=1) defines it before including this file to stamp
-// the steps of router_topk_warp; empty otherwise.
+// A measurement hook: the timeline build (-DTM_RGU_TIMELINE=1) defines it in rgu_timeline.cuh, included before this
+// file, to stamp the steps of router_topk_warp; empty otherwise.
 #ifndef TM_TOPK_STAMP
 #define TM_TOPK_STAMP(k)
 #endif
