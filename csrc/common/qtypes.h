@@ -133,8 +133,8 @@ static inline TM_HOST_DEVICE int tm_iq4_xs_scale(const uint8_t* blk, int j) {
 }
 
 /* TM_Q8_0_TILED (layout in tornado_moe.h): byte offsets, inside a row of `cols` values, of the code of value c
- * and of the fp16 scale of block b; a stored code byte is the int8 q plus 128 (q XOR 0x80), tm_q8t_code gives q. */
-static inline TM_HOST_DEVICE int tm_q8t_code(uint8_t stored) { return static_cast<int>(stored) - 128; }
+ * and of the fp16 scale of block b; a stored code byte is the int8 q (two's complement), tm_q8t_code gives q. */
+static inline TM_HOST_DEVICE int tm_q8t_code(uint8_t stored) { return static_cast<int>(static_cast<int8_t>(stored)); }
 static inline TM_HOST_DEVICE int64_t tm_q8t_group_width(int64_t cols, int64_t group) {
   const int64_t steps = cols / 128;
   return group < steps / 4 ? 4 : steps % 4;

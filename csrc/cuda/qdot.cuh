@@ -126,19 +126,16 @@ struct FmtTraits<Fmt::Q8_0> {
   __device__ __forceinline__ static XFrag loadx(const float* xb, int part) {
     return ld_x4<V>(xb + 4 * part);
   }
+  // The 4 activations are one group of act_quant.h (group = block * 8 + part): its codes meet the weight codes
+  // in one DP4A (an exact integer sum), and the block adds d * 2^e (exact) times that sum with one rounding.
   __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    return dot_biased(Frag{f.q ^ 0x80808080u, f.d}, x, acc);  // int8 -> uint8 + 128
-  }
-  // dot with the 4 codes already stored as uint8 q + 128 (TM_Q8_0_TILED). The 4 activations are one group of
-  // act_quant.h (group = block * 8 + part): its codes meet the weight codes in one DP4A (an exact integer sum),
-  // and the block adds d * 2^e (exact) times that sum with one rounding.
-  __device__ __forceinline__ static float dot_biased(const Frag& f, const XFrag& x, float acc) {
     const tm_act::Q8Group a = tm_act::q8_group(x.x, x.y, x.z, x.w);
     return dot_codes(f, a.codes, a.scale, acc);
   }
-  // the same with the activation group already quantized (codes, scale as act_quant.h makes them)
+  // the same with the activation group already quantized (codes, scale as act_quant.h makes them); the weight
+  // codes are the int8 bytes as stored (the GGUF block's and TM_Q8_0_TILED's), the DP4A's signed operand as is
   __device__ __forceinline__ static float dot_codes(const Frag& f, uint32_t codes, float scale, float acc) {
-    const int sum = __dp4a(static_cast<int>(f.q ^ 0x80808080u), static_cast<int>(codes), 0);
+    const int sum = __dp4a(static_cast<int>(f.q), static_cast<int>(codes), 0);
     return __fmaf_rn(__fmul_rn(fp16_bits_to_f32(f.d), scale), static_cast<float>(sum), acc);
   }
 };
@@ -665,12 +662,6 @@ __device__ __forceinline__ T ld_row(const uint8_t* p) {
   }
 }
 
-// A tiled row's step: Q8_0's fragments and arithmetic, on codes stored as q + 128 (tornado_moe.h).
-struct Q8TiledTraits : FmtTraits<Fmt::Q8_0> {
-  __device__ __forceinline__ static float dot(const Frag& f, const XFrag& x, float acc) {
-    return dot_biased(f, x, acc);
-  }
-};
 
 // One batch of warp_dot_q8t: groups g0 .. g0 + kGroups - 1 of a tiled row. Full: every one of them is a whole
 // group (no bounds logic, so the compiler issues all loads, activations included, before the first use); else the
@@ -682,7 +673,7 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
                                           const uint8_t* const (&scale)[NR], const XT* const (&xg)[SX ? NT : NR],
                                           int g0, int ngroups, int tail, int scales, int lane,
                                           float (&acc)[NR][NT], const Hook& hook, bool first) {
-  using T = Q8TiledTraits;
+  using T = FmtTraits<Fmt::Q8_0>;  // a tiled row's step: Q8_0's fragments and arithmetic
   const int sub = lane >> 3, part = lane & 7;
   uint2 c[kGroups][NR][2], sc[kGroups][NR];
 #pragma unroll
@@ -793,15 +784,14 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
 }
 
-// warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in
-// the same step order, as from the Q8_0 bytes of the same row (the codes biased by 128), and feeds them to the
-// same arithmetic (FmtTraits<Q8_0>::dot_biased, which FmtTraits<Q8_0>::dot calls), so the result is bitwise
-// warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps a lane reads its 16 code
-// bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one 8-byte word (2 or 3
-// loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before the first use.
-// Whole batches run without bounds logic; the one batch that may hold short groups comes last, as its groups do
-// in the row (the order of the steps is unchanged). Indices are 32-bit (a row has far fewer than 2^31 bytes): the
-// reader's instructions per byte are what bounds the expert kernels (results/NOTES.md).
+// warp_dot for TM_Q8_0_TILED rows (layout in tornado_moe.h): every lane gets the same code words and scales, in the
+// same step order, as from the Q8_0 bytes of the same row, and feeds them to the same arithmetic
+// (FmtTraits<Q8_0>::dot), so the result is bitwise warp_dot<Q8_0>'s. What changes is the loads: per group of 4 steps
+// a lane reads its 16 code bytes as one 16-byte word (W16) or two 8-byte ones, and its lane group's 4 scales as one
+// 8-byte word (2 or 3 loads instead of 12 16-bit ones); all loads of a batch of kGroups groups are in flight before
+// the first use. Whole batches run without bounds logic; the one batch that may hold short groups comes last, as its
+// groups do in the row (the order of the steps is unchanged). Indices are 32-bit (a row has far fewer than 2^31
+// bytes): the reader's instructions per byte are what bounds the expert kernels (results/NOTES.md).
 // The batches are not software-pipelined on purpose: a second batch in flight costs the registers that decide
 // the blocks per SM, and on the H200 every pipelined variant (activations from L1 or from shared memory) was
 // slower than more warps per SM (results/NOTES.md, v4f), so the reader keeps few registers live.

@@ -80,7 +80,7 @@ typedef enum tm_qtype {
    * of 4 (the last group holds the S % 4 remaining ones); in group g of w steps, lane l's code word of step
    * 4g + u is at byte 512g + 4(w*l + u) (+ i % 4 for the single code), and the fp16 scale of block b of that
    * step at byte 32*nb + 32g + 2(w*(b % 4) + u). qtypes.h's tm_q8t_code_offset / tm_q8t_scale_offset compute
-   * them. Code bytes are stored as the int8 q plus 128 (q XOR 0x80; tm_q8t_code gives q back). */
+   * them. Code bytes are the int8 q as the GGUF block stores them (tm_q8t_code reads one). */
   TM_Q8_0_TILED = 264
 } tm_qtype;
 

@@ -1,11 +1,11 @@
 """TM_Q8_0_TILED: Q8_0 rows re-laid out at upload so the GPU reads them with 8- and 16-byte loads.
 
 A Q8_0 block is 34 bytes (fp16 scale, 32 int8 codes), so inside a row nothing is more than 2-byte aligned and
-the CUDA dot product reads a row as 16-bit words: three load instructions per lane for every 4 values, too
-few bytes in flight per register to keep HBM busy. Tiling moves the bytes within each row (same row size,
-same values) so that a lane finds the codes and scales of 4 consecutive dot-product steps in one 16-byte and
-one 8-byte word, and stores each code as q + 128, the form the GPU's int8 -> float conversion starts from
-(layout: ``csrc/include/tornado_moe.h``, ``TM_Q8_0_TILED``). The kernels feed the same values to the same
+the CUDA dot product reads a row as 16-bit words: three load instructions per lane for every 4 values, too few
+bytes in flight per register to keep HBM busy. Tiling moves the bytes within each row (same row size, same
+values) so that a lane finds the codes and scales of 4 consecutive dot-product steps in one 16-byte and one
+8-byte word (layout: ``csrc/include/tornado_moe.h``, ``TM_Q8_0_TILED``); the bytes themselves are the file's,
+the int8 codes as they are (the GPU's DP4A takes them signed). The kernels feed the same values to the same
 arithmetic in the same order, so every result is bitwise the one the GGUF layout gives. It is an in-memory
 layout of the engine, never written to a file.
 """
@@ -75,22 +75,14 @@ def _permute_rows(data: torch.Tensor, cols: int, index: np.ndarray) -> torch.Ten
     return _rows(data, cols).index_select(1, torch.from_numpy(index).to(data.device)).reshape(data.shape)
 
 
-def _flip_codes_(data: torch.Tensor, cols: int) -> torch.Tensor:
-    """Flips, in place, the code bytes (the first ``cols`` of each tiled row) of ``data``, a contiguous tensor
-    the caller owns, by XOR 0x80: int8 q <-> uint8 q + 128. Returns ``data``."""
-    _rows(data, cols)[:, :cols] ^= 0x80
-    return data
-
-
 def tile_q8_0(data: torch.Tensor, cols: int) -> torch.Tensor:
     """The Q8_0 rows ``data`` (uint8, any shape holding whole rows of ``cols`` values) in the tiled layout.
 
-    A new tensor on ``data``'s device, of the same shape and size. Codes are stored as q + 128, which saves
-    the GPU's dot product one instruction per 4 values (its int8 -> float conversion works on biased bytes).
+    A new tensor on ``data``'s device, of the same shape and size: each row's bytes, moved.
     """
-    return _flip_codes_(_permute_rows(data, cols, tiled_source_bytes(cols)), cols)
+    return _permute_rows(data, cols, tiled_source_bytes(cols))
 
 
 def untile_q8_0(data: torch.Tensor, cols: int) -> torch.Tensor:
     """The inverse of :func:`tile_q8_0` (tiled rows back to GGUF Q8_0 bytes)."""
-    return _permute_rows(_flip_codes_(data.clone(), cols), cols, np.argsort(tiled_source_bytes(cols)))
+    return _permute_rows(data, cols, np.argsort(tiled_source_bytes(cols)))
