@@ -662,7 +662,6 @@ __device__ __forceinline__ T ld_row(const uint8_t* p) {
   }
 }
 
-
 // One batch of warp_dot_q8t: groups g0 .. g0 + kGroups - 1 of a tiled row. Full: every one of them is a whole
 // group (no bounds logic, so the compiler issues all loads, activations included, before the first use); else the
 // last batch, whose groups may be short (the tail, tail < 4 steps) or past the row end (skipped). code[r] and
