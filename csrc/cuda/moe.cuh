@@ -69,6 +69,13 @@ struct DownArgs {
   int64_t act_q_stride;  // bytes a slot row; read by the Q instantiations instead of act
 };
 
+// A weight set's int8 activation groups (nullable: none), a slot row of q8act_bytes(n) bytes for rows of n values.
+template <class Args, class Groups>
+inline void set_act_groups(Args* a, Groups* groups, int64_t n) {
+  a->act_q = groups;
+  a->act_q_stride = q8act_bytes(n);
+}
+
 // The host parts one source defines and another calls (a TM_* status each; their definitions say more).
 // moe_gate_up.cu's:
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,

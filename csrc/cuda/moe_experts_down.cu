@@ -230,10 +230,8 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
                    &gate_mode, &vs));
   TM_TRY(down_args(fn, qtype, w_down, act, ids, weights, nullptr, nullptr, top_k, n_experts, hidden, ffn, &rt,
                    &no_gate, &vr));
-  sh.act_q = act_groups_sh;
-  sh.act_q_stride = q8act_bytes(ffn_sh);
-  rt.act_q = act_groups;
-  rt.act_q_stride = q8act_bytes(ffn);
+  set_act_groups(&sh, act_groups_sh, ffn_sh);
+  set_act_groups(&rt, act_groups, ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
   const cudaStream_t s = as_stream(stream);

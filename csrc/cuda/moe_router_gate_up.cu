@@ -344,10 +344,8 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   bool v;
   TM_TRY(experts_gate_up_args(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, ids, act, top_k,
                               n_experts, ffn, hidden, h, &sh, &rt, &v));
-  sh.act_q = act_groups_sh;
-  sh.act_q_stride = q8act_bytes(ffn_sh);
-  rt.act_q = act_groups;
-  rt.act_q_stride = q8act_bytes(ffn);
+  set_act_groups(&sh, act_groups_sh, ffn_sh);
+  set_act_groups(&rt, act_groups, ffn);
   Limits lim;
   TM_TRY(get_limits(&lim));
   // h's int8 groups in the scratch (tiled rows): the routed blocks' or the grouped GEMMs' activations
