@@ -14,7 +14,8 @@
  *   Q4_0/Q5_0/IQ4_NL: acc = fma(d, sum_i q_i x_i, acc) with the in-block sum an fma chain, IQ4's q the level
  *   kv[code]; Q4_1/Q5_1: acc = fma(d, sum q x, acc) then fma(m, sum x, acc); Q2_K/Q4_K/Q5_K: per sub-block of
  *   the lane, in order, fma(d*sc, sum q x, acc) then fma(-(dmin*m), sum x, acc); Q3_K/Q6_K/IQ4_XS: per sub-block
- *   of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators are then summed by the xor butterfly of warp_sum.
+ *   of the lane, in order, fma(d*scale, sum q x, acc); plain: an fma per value). The 32 lane accumulators are
+ *   then summed by the xor butterfly of warp_sum.
  *   All arithmetic uses explicit _rn intrinsics, so the compiler cannot contract or reorder it differently in
  *   different instantiations: a row's result does not depend on how many rows or tokens the calling warp handles
  *   at once, nor on the load width.
