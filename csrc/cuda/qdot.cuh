@@ -720,17 +720,15 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
   // PF > 0: the whole batch PF batches ahead asked for in L2, one prefetch per 128-byte line (the same bits). With
   // int8 activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose
-  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone. The lanes
-  // that ask for the code lines (0, 8, 16, 24) also ask for the group's scales, one 32-byte sector for all four:
-  // one predicate instead of two, which at 64 registers the compiler re-derived from the thread index every batch.
+  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
   if constexpr (Full && !SM && PF > 0) {
-    if (g0 + (PF + 1) * kGroups <= ngroups && (lane & 7) == 0) {
+    if (g0 + (PF + 1) * kGroups <= ngroups) {
 #pragma unroll
       for (int v = 0; v < kGroups; ++v)
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          prefetch_l2(code[r] + (PF * kGroups + v) * 512);
-          prefetch_l2(scale[r] + (PF * kGroups + v) * 32);
+          if ((lane & 7) == 0) prefetch_l2(code[r] + (PF * kGroups + v) * 512);
+          if (lane == 0) prefetch_l2(scale[r] + (PF * kGroups + v) * 32);
         }
     }
   }
