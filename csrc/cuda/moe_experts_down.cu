@@ -8,11 +8,6 @@
 namespace tm_cuda {
 namespace {
 
-// A measurement knob (results/NOTES.md lesson 144): blocks per SM of the down on tiled rows (4: the product).
-#ifndef TM_DOWN_TILED_MIN_BLOCKS
-#define TM_DOWN_TILED_MIN_BLOCKS 4
-#endif
-
 // The dot products dot(W_down[e][ra], act[t, s]) and dot(W_down[e][ra + 1], act[t, s]) of slot s (expert e):
 // two rows of one expert share the slot's activations (one warp_dot with NR = 2, as a gate-up pair), and the
 // slot's factor w_eff (NaN for an expert id out of range), through down_dots' lookups (slot_expert, slot_weight);
@@ -64,7 +59,7 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
 constexpr int down_min_blocks(Fmt s, Fmt r) {
-  return fmt_tiled(s) && fmt_tiled(r) ? TM_DOWN_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
+  return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }
 
 // Whether experts_down_kernel's shared warps read their rows from copies in shared memory (a measurement knob: 0

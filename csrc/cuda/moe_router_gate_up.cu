@@ -28,15 +28,6 @@ namespace {
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
 
-// A measurement knob (results/NOTES.md lesson 144): blocks per SM of router_experts_gate_up on tiled rows (4: the
-// product; int8 activations leave the decode's instantiations registers to spare for 5).
-#ifndef TM_RGU_TILED_MIN_BLOCKS
-#define TM_RGU_TILED_MIN_BLOCKS 4
-#endif
-constexpr int router_gate_up_min_blocks(Fmt f) {
-  return fmt_tiled(f) ? TM_RGU_TILED_MIN_BLOCKS : TM_WEIGHT_MIN_BLOCKS;
-}
-
 // gate[t] = shared_gate(h[t]) by one warp a token: tm_router_experts_gate_up's gate output where it falls back to
 // separate launches.
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
@@ -208,7 +199,7 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
 }
 
 template <Fmt F, bool V>
-__global__ void __launch_bounds__(kRowsPerBlock * 32, router_gate_up_min_blocks(F))
+__global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync,
                                   uint8_t* h_groups) {

@@ -622,11 +622,6 @@ struct NoHook {
 #ifndef TM_Q8T_LOAD_REGS
 #define TM_Q8T_LOAD_REGS 12
 #endif
-// A measurement knob (results/NOTES.md lesson 147): 1 unrolls warp_dot_q8t's batch loop twice, so that two
-// batches share one round of pointer increments and loop control (the same loads and arithmetic, the same bits).
-#ifndef TM_Q8T_UNROLL2
-#define TM_Q8T_UNROLL2 0
-#endif
 // Timing-only bounds (wrong results; results/NOTES.md lesson 129): 1 keeps the reader's weight words
 // (TM_PROBE_W_FIXED) or activations (TM_PROBE_ACT_FIXED) at the first batch of the row, so every later batch
 // re-reads those bytes from L1 instead of streaming new ones: what the kernels would gain if those loads were free.
@@ -832,9 +827,6 @@ __device__ __forceinline__ void warp_dot_q8t(const uint8_t* const (&w)[NR], cons
   // 4 steps x 4 blocks x 32 values per group: 512 floats, or kQ8ActGroupBytes
   constexpr int kXStep = TM_PROBE_ACT_FIXED ? 0 : kGroups * (std::is_same_v<XT, uint8_t> ? kQ8ActGroupBytes : 512);
   int g0 = 0;
-#if TM_Q8T_UNROLL2
-#pragma unroll 2
-#endif
   for (; g0 + kGroups <= ngroups; g0 += kGroups) {
     q8t_batch<kGroups, true, W16, NR, NT, SX, V, SM, Hook, XT, PF>(w, code, scale, xg, g0, ngroups, tail, scales,
                                                                lane, acc, hook, g0 == 0);
