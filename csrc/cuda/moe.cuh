@@ -175,7 +175,8 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
 // The gate-up kernels on tiled Q8_0 rows: 4 blocks per SM (<= 64 registers; results/NOTES.md lesson 6: occupancy
 // decides these kernels). Left to themselves the compiler gives the reader's whole-batch path (all activation
 // loads in flight) and the fused kernel's router phase (its F32X4 dot) 80-90 registers, and 2-3 blocks per SM.
-// Other formats keep TM_WEIGHT_MIN_BLOCKS (their dots need more registers than 4 blocks leave).
+// Other formats keep TM_WEIGHT_MIN_BLOCKS (their dots need more registers than 4 blocks leave). 5 blocks (48
+// registers) measured 2% slower with int8 activations (lesson 148).
 constexpr int gate_up_min_blocks(Fmt f) {
   return fmt_tiled(f) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }

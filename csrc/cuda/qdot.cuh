@@ -715,7 +715,8 @@ __device__ __forceinline__ void q8t_batch(const uint8_t* const (&w)[NR], const u
   }
   // PF > 0: the whole batch PF batches ahead asked for in L2, one prefetch per 128-byte line (the same bits). With
   // int8 activations PF = 2 sped the down (a three-wave grid that leaves DRAM idle) and slowed the gate-up (whose
-  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone.
+  // 1,408 blocks keep it busy) on the H200 (results/NOTES.md lesson 136), so the down asks for it alone. The scales'
+  // sector from lane 0 alone: asked by the four code-line lanes too, the down ran 8% slower (lesson 149).
   if constexpr (Full && !SM && PF > 0) {
     if (g0 + (PF + 1) * kGroups <= ngroups) {
 #pragma unroll
