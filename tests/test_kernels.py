@@ -89,7 +89,9 @@ def test_embedding_decodes_random_bytes_as_gguf(device: str, qtype: int) -> None
     out = poisoned((vocab, dim), device)
     ids = int32(list(range(vocab)), device)
     K.embedding(qtype, torch.from_numpy(raw).to(device), ids, out, vocab, vocab, dim)
-    got, expected = out.cpu().numpy(), ref.dequantize(raw, qtype)
+    with np.errstate(invalid="ignore"):  # random scales of inf and NaN: the NaNs the test expects
+        expected = ref.dequantize(raw, qtype)
+    got = out.cpu().numpy()
     nan = np.isnan(expected)
     assert nan.mean() < 0.25 and np.array_equal(np.isnan(got), nan)  # most values are numbers
     assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
