@@ -163,9 +163,7 @@ int main() {
   uint8_t* pool;
   CHECK(cudaMalloc(&pool, kPool));
   fill<<<sms * 8, 256>>>(reinterpret_cast<uint32_t*>(pool), kPool / 4);
-  unsigned long long* dsum;
   uint32_t* arrivals;
-  CHECK(cudaMalloc(&dsum, 8));
   CHECK(cudaMalloc(&arrivals, kHeads * sizeof(uint32_t)));
   CHECK(cudaMemset(arrivals, 0, kHeads * sizeof(uint32_t)));
   CHECK(cudaDeviceSynchronize());
@@ -189,7 +187,9 @@ int main() {
   };
   enum { kLaunches, kFold, kNoAtt, kVariants };
   const char* names[kVariants] = {"launches", "fold", "no-att"};
-  auto layer = [&](int v, const Layer& L, unsigned long long* sum, cudaStream_t s) {
+  auto run = [&](int v, bool first, unsigned long long* sum, cudaStream_t s) {  // check_then_time's
+    if (first) cursor = 0;
+    const Layer L = next_layer();
     if (v == kFold) {
       launch_pdl(qkv_phase<true>, kQkvBlocks, kQkvThreads, 0, s, L, arrivals, sum);
     } else {
@@ -199,34 +199,12 @@ int main() {
     launch_pdl(out_phase, out_grid, 256, 0, s, L, sum);
   };
 
-  // Checksums first: one layer of each variant against the host's sum of the regions it reads.
-  std::vector<uint32_t> host(kPool / 4);
-  CHECK(cudaMemcpy(host.data(), pool, kPool, cudaMemcpyDeviceToHost));
-  for (int v = 0; v < kVariants; ++v) {
+  auto want = [&](int v, const std::vector<uint32_t>& host) {  // no-att reads no cache rows
     cursor = 0;
     const Layer L = next_layer();
-    uint32_t want = host_sum(host, reinterpret_cast<const uint8_t*>(L.qkv) - pool, kQkvBytes) +
-                    host_sum(host, reinterpret_cast<const uint8_t*>(L.out) - pool, kOutBytes);
-    if (v != kNoAtt) want += host_sum(host, reinterpret_cast<const uint8_t*>(L.kv) - pool, kHeads * kHeadKvBytes);
-    CHECK(cudaMemsetAsync(dsum, 0, 8, st));
-    layer(v, L, dsum, st);
-    CHECK(cudaStreamSynchronize(st));
-    unsigned long long got = 0;
-    CHECK(cudaMemcpy(&got, dsum, 8, cudaMemcpyDeviceToHost));
-    if (static_cast<uint32_t>(got) != want) {
-      std::printf("%s: checksum %x, want %x: WRONG\n", names[v], static_cast<uint32_t>(got), want);
-      return 1;
-    }
-  }
-  std::printf("checksums: all %d variants agree with the host\n", kVariants);
-  std::printf("us per layer (24 layers in a graph, %.1f MB a layer):\n", layer_bytes / 1e6);
-  for (int v = 0; v < kVariants; ++v) {
-    const double us = time_graph(
-        [&](cudaStream_t s) {
-          for (int l = 0; l < 24; ++l) layer(v, next_layer(), nullptr, s);
-        },
-        st) / 24;
-    std::printf("  %-10s %7.2f\n", names[v], us);
-  }
-  return 0;
+    auto at = [&](const uint4* p) { return reinterpret_cast<const uint8_t*>(p) - pool; };
+    const uint32_t sum = host_sum(host, at(L.qkv), kQkvBytes) + host_sum(host, at(L.out), kOutBytes);
+    return v == kNoAtt ? sum : sum + host_sum(host, at(L.kv), kHeads * kHeadKvBytes);
+  };
+  return check_then_time(kVariants, names, pool, kPool, layer_bytes / 1e6, run, want, st);
 }

@@ -20,7 +20,7 @@
 // Every variant must give the pdl variant's bits; all are checked against a float64 model of the layer.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include
 //        -I csrc/common -I csrc/cuda scripts/proto/down_overlap.cu -o /tmp/down_overlap && /tmp/down_overlap
 #include <cmath>
 #include <cstdio>

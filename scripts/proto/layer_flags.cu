@@ -16,7 +16,7 @@
 // Every variant's checksum of all the bytes it read must be the host's.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include
 //        -I csrc/common -I csrc/cuda scripts/proto/layer_flags.cu -o /tmp/layer_flags && /tmp/layer_flags
 #include <cstdint>
 #include <cstdio>
@@ -94,8 +94,7 @@ int main() {
   uint8_t* pool;
   CHECK(cudaMalloc(&pool, kPool));
   fill<<<sms * 8, 256>>>(reinterpret_cast<uint32_t*>(pool), kPool / 4);
-  unsigned long long *dsum, *dcount;
-  CHECK(cudaMalloc(&dsum, 8));
+  unsigned long long* dcount;
   CHECK(cudaMalloc(&dcount, 8));
   CHECK(cudaMemset(dcount, 0, 8));
   CHECK(cudaDeviceSynchronize());
@@ -119,7 +118,9 @@ int main() {
   };
   enum { kLaunches, kOne, kBarriers, kBarriersPf, kVariants };
   const char* names[kVariants] = {"launches", "one", "barriers", "barriers+pf"};
-  auto layer = [&](int v, const Phases& ph, unsigned long long* sum, cudaStream_t s) {
+  auto run = [&](int v, bool first, unsigned long long* sum, cudaStream_t s) {  // check_then_time's
+    if (first) cursor = 0;
+    const Phases ph = next_layer();
     if (v == kLaunches) {
       for (int k = 0; k < kPhases; ++k) launch_pdl(read_phase, grid, kThreads, 0, s, ph.p[k], kPhaseBytes[k] / 16, sum);
     } else if (v == kOne) {
@@ -131,34 +132,13 @@ int main() {
     }
   };
 
-  // Checksums first: one layer of each variant against the host's sum of the same regions.
-  std::vector<uint32_t> host(kPool / 4);
-  CHECK(cudaMemcpy(host.data(), pool, kPool, cudaMemcpyDeviceToHost));
-  for (int v = 0; v < kVariants; ++v) {
+  auto want = [&](int, const std::vector<uint32_t>& host) {  // every variant reads every phase of the layer
     cursor = 0;
     const Phases ph = next_layer();
-    uint32_t want = 0;
+    uint32_t sum = 0;
     for (int k = 0; k < kPhases; ++k)
-      want += host_sum(host, reinterpret_cast<const uint8_t*>(ph.p[k]) - pool, kPhaseBytes[k]);
-    CHECK(cudaMemsetAsync(dsum, 0, 8, st));
-    layer(v, ph, dsum, st);
-    CHECK(cudaStreamSynchronize(st));
-    unsigned long long got = 0;
-    CHECK(cudaMemcpy(&got, dsum, 8, cudaMemcpyDeviceToHost));
-    if (static_cast<uint32_t>(got) != want) {
-      std::printf("%s: checksum %x, want %x: WRONG\n", names[v], static_cast<uint32_t>(got), want);
-      return 1;
-    }
-  }
-  std::printf("checksums: all %d variants agree with the host\n", kVariants);
-  std::printf("us per layer (24 layers in a graph, %.1f MB a layer):\n", layer_bytes / 1e6);
-  for (int v = 0; v < kVariants; ++v) {
-    const double us = time_graph(
-        [&](cudaStream_t s) {
-          for (int l = 0; l < 24; ++l) layer(v, next_layer(), nullptr, s);
-        },
-        st) / 24;
-    std::printf("  %-12s %7.2f\n", names[v], us);
-  }
-  return 0;
+      sum += host_sum(host, reinterpret_cast<const uint8_t*>(ph.p[k]) - pool, kPhaseBytes[k]);
+    return sum;
+  };
+  return check_then_time(kVariants, names, pool, kPool, layer_bytes / 1e6, run, want, st);
 }

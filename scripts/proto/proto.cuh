@@ -177,4 +177,41 @@ inline double time_graph(const std::function<void(cudaStream_t)>& body, cudaStre
   return 1e3 * ms[3];
 }
 
+
+// The driver of the layered pure-read protos (layer_flags.cu, att_fold.cu). run(v, first, sum, s) enqueues one
+// layer of variant v (first: on the pool's first layer of regions, else on the next fresh ones) adding its
+// checksum to sum when not null; want(v, host) is the host's checksum of what variant v reads of the first layer.
+// Every variant's checksum first, then microseconds per layer of 24 layers in a CUDA graph. The exit code.
+inline int check_then_time(int variants, const char* const* names, const uint8_t* pool, int64_t pool_bytes,
+                           double layer_mb, const std::function<void(int, bool, unsigned long long*, cudaStream_t)>& run,
+                           const std::function<uint32_t(int, const std::vector<uint32_t>&)>& want, cudaStream_t st) {
+  std::vector<uint32_t> host(pool_bytes / 4);
+  CHECK(cudaMemcpy(host.data(), pool, pool_bytes, cudaMemcpyDeviceToHost));
+  unsigned long long* dsum;
+  CHECK(cudaMalloc(&dsum, 8));
+  for (int v = 0; v < variants; ++v) {
+    CHECK(cudaMemsetAsync(dsum, 0, 8, st));
+    run(v, true, dsum, st);
+    CHECK(cudaStreamSynchronize(st));
+    unsigned long long got = 0;
+    CHECK(cudaMemcpy(&got, dsum, 8, cudaMemcpyDeviceToHost));
+    if (static_cast<uint32_t>(got) != want(v, host)) {
+      std::printf("%s: checksum %x, want %x: WRONG\n", names[v], static_cast<uint32_t>(got), want(v, host));
+      return 1;
+    }
+  }
+  CHECK(cudaFree(dsum));
+  std::printf("checksums: all %d variants agree with the host\n", variants);
+  std::printf("us per layer (24 layers in a graph, %.1f MB a layer):\n", layer_mb);
+  for (int v = 0; v < variants; ++v) {
+    const double us = time_graph(
+        [&](cudaStream_t s) {
+          for (int l = 0; l < 24; ++l) run(v, false, nullptr, s);
+        },
+        st) / 24;
+    std::printf("  %-12s %7.2f\n", names[v], us);
+  }
+  return 0;
+}
+
 #endif

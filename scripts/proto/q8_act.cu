@@ -19,7 +19,7 @@
 // float activations is printed beside them: what the logit bounds would have to absorb.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include
 //        -I csrc/common -I csrc/cuda scripts/proto/q8_act.cu -o /tmp/q8_act && /tmp/q8_act
 #include <cuda_fp16.h>
 

@@ -11,7 +11,7 @@
 // Every reader's checksum is compared with the host's, so a reader that skipped bytes fails loudly.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include
 //        -I csrc/common -I csrc/cuda scripts/proto/read_floor.cu -o /tmp/read_floor && /tmp/read_floor
 #include <algorithm>
 #include <cstdint>

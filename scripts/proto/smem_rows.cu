@@ -16,7 +16,7 @@
 // Each result is checked against a float64 reference, and every variant must give base's bits exactly.
 //
 // Build and run on the GPU machine (from the repository root; device_run.sh's stage proto does it):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include \
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -DTM_WITH_CUDA=1 -I scripts/proto -I csrc/include
 //        -I csrc/common -I csrc/cuda scripts/proto/smem_rows.cu -o /tmp/smem_rows && /tmp/smem_rows
 #include <cuda_fp16.h>
 
