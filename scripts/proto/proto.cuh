@@ -177,7 +177,6 @@ inline double time_graph(const std::function<void(cudaStream_t)>& body, cudaStre
   return 1e3 * ms[3];
 }
 
-
 // The driver of the layered pure-read protos (layer_flags.cu, att_fold.cu). run(v, first, sum, s) enqueues one
 // layer of variant v (first: on the pool's first layer of regions, else on the next fresh ones) adding its
 // checksum to sum when not null; want(v, host) is the host's checksum of what variant v reads of the first layer.
