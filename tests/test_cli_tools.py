@@ -251,6 +251,8 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
             for s in range(k):
                 assert tasks[("layer0", f"routed_expert_gate_up_{s}")]["weight_bytes"] == pytest.approx(
                     gate_up / E)
+        assert all(r["chain_gb_s"] is None and r["chain_fraction_of_copy_bandwidth"] is None
+                   for r in v["tasks"] + v["by_kind"])  # chain times are the GPU trace's
         kinds = {b["kind"] for b in v["by_kind"]}
         assert ("router_experts_ffn" in kinds) == fused
         assert ("routed_expert_gate_up" in kinds) != fused
@@ -422,6 +424,13 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         assert all(c is not None and c >= 0 for c in chains)
         assert sum(chains) == pytest.approx(v["chain_us_per_token"])
         assert v["chain_us_per_token"] >= max(chains) > 0
+        for row in v["tasks"] + v["by_kind"]:  # % chain: the bytes over the chain time, where it is positive
+            if row["chain_us"] > 0:
+                assert row["chain_gb_s"] == pytest.approx(row["bytes"] / (row["chain_us"] * 1e3))
+                assert row["chain_fraction_of_copy_bandwidth"] == pytest.approx(
+                    row["chain_gb_s"] / report["copy_bandwidth_gb_s"])
+            else:
+                assert row["chain_gb_s"] is None and row["chain_fraction_of_copy_bandwidth"] is None
         gap = v["step_gap_us"]  # -n 4: 3 decode steps, 2 boundaries
         assert gap["decode_steps"] == 3 and 0 <= gap["median_us"] <= gap["max_us"]
         assert gap["copy_us_per_step"] > 0  # the token read back after each step

@@ -38,10 +38,13 @@ JSON: {command, date, git_commit, device, gpu_name, model, torch_version, copy_b
        bytes_per_token, weight_bytes_per_token, achieved_gb_s, fraction_of_copy_bandwidth,
        floor_us_per_token, by_kind: [...], tasks: [{graph, task, kernel, kind, routed, launches_declared,
        launches_measured, time_us, kernel_time_us, chain_us, weight_bytes, activation_bytes, bytes, gb_s,
-       fraction_of_copy_bandwidth}]}]}
+       fraction_of_copy_bandwidth, chain_gb_s, chain_fraction_of_copy_bandwidth}]}]}
+       (by_kind rows: kind, launches, time_us, chain_us, bytes, weight_bytes and the same four rates)
 chain_us (GPU only): how much later the step's kernels finish because of this one (its end minus the latest
 earlier end); durations overlap under programmatic dependent launch, chain times add up to the step's
 kernel span. Read them for the CUDA-graph variants (eager steps under the tracer wait on the host).
+% copy: bytes per second of kernel time against the copy bandwidth; % chain: bytes per second of chain time,
+the rate at which the step gets through a task's bytes (above 100% for small tasks hidden under others).
 """
 
 

@@ -378,13 +378,21 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
                            "note": "kernels per step differ from the declared launches; not attributable to "
                                    "tasks (graph replay or Java route)"})
 
+    def rates(nbytes: float, us: float | None) -> tuple[float | None, float | None]:
+        """GB/s of nbytes in us, and its fraction of the copy bandwidth (None without a positive time)."""
+        if not us or us <= 0:
+            return None, None
+        gb_s = nbytes / (us * 1e-6) / 1e9
+        return gb_s, gb_s / copy_gb_s
+
     task_rows: list[dict[str, Any]] = []
     for i, (_, g, t) in enumerate(tasks):
         b = task_bytes(t, context)
         time_us = timed_us[i] if timed_us[i] > 0 else None
         k_us = kernel_us[i] if kernel_us is not None else None
-        best = k_us if k_us else time_us
-        gb_s = b.total / (best * 1e-6) / 1e9 if best else None
+        gb_s, frac = rates(b.total, k_us if k_us else time_us)
+        chain = chain_us[i] if chain_us is not None else None
+        chain_gb_s, chain_frac = rates(b.total, chain)
         task_rows.append({
             "graph": g.name, "task": t.name, "kernel": t.kernel, "kind": task_kind(t.name),
             "routed": _is_routed(t.kernel, t.args),
@@ -392,9 +400,10 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
             "launches_counted": counted[i],
             "launches_measured": measured[i] if measured is not None else None,
             "time_us": time_us, "kernel_time_us": k_us,
-            "chain_us": chain_us[i] if chain_us is not None else None,
+            "chain_us": chain,
             "weight_bytes": b.weights, "activation_bytes": b.activations, "bytes": b.total,
-            "gb_s": gb_s, "fraction_of_copy_bandwidth": gb_s / copy_gb_s if gb_s else None,
+            "gb_s": gb_s, "fraction_of_copy_bandwidth": frac,
+            "chain_gb_s": chain_gb_s, "chain_fraction_of_copy_bandwidth": chain_frac,
         })
 
     graphs = []
@@ -425,8 +434,8 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     for k in by_kind.values():
         timed = k.pop("_timed")
         k["time_us"] = k["time_us"] if timed else None
-        k["gb_s"] = k["bytes"] / (k["time_us"] * 1e-6) / 1e9 if k["time_us"] else None
-        k["fraction_of_copy_bandwidth"] = k["gb_s"] / copy_gb_s if k["gb_s"] else None
+        k["gb_s"], k["fraction_of_copy_bandwidth"] = rates(k["bytes"], k["time_us"])
+        k["chain_gb_s"], k["chain_fraction_of_copy_bandwidth"] = rates(k["bytes"], k["chain_us"])
 
     total_bytes = sum(r["bytes"] for r in task_rows)
     kernel_total = sum(r["kernel_time_us"] or 0 for r in task_rows) if kernel_us is not None else None
@@ -514,12 +523,13 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{g['copy_us_per_step']:.1f} us per step; a step's kernels span "
                          f"{g['span_median_us']:.1f} us, one starts every {g['period_median_us']:.1f} us")
         lines.append(f"   {'task kind':<34} {'launches':>8} {'us/token':>10} {'chain us':>9} "
-                     f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7}")
+                     f"{'MB/token':>10} {'GB/s':>9} {'% copy':>7} {'% chain':>8}")
         for k in v["by_kind"]:
-            frac = k["fraction_of_copy_bandwidth"]
+            frac, chain_frac = k["fraction_of_copy_bandwidth"], k["chain_fraction_of_copy_bandwidth"]
             lines.append(f"   {k['kind']:<34} {k['launches']:>8.1f} {_fmt(k['time_us'], '10.1f'):>10} "
                          f"{_fmt(k['chain_us'], '9.1f'):>9} {k['bytes'] / 1e6:>10.4f} "
-                         f"{_fmt(k['gb_s'], '9.1f'):>9} {_fmt(frac and 100 * frac, '7.1f'):>7}")
+                         f"{_fmt(k['gb_s'], '9.1f'):>9} {_fmt(frac and 100 * frac, '7.1f'):>7} "
+                         f"{_fmt(chain_frac and 100 * chain_frac, '8.1f'):>8}")
     return "\n".join(lines)
 
 
