@@ -61,6 +61,16 @@ def instructions(listing: str) -> list[tuple[int, str]]:
     return [(int(addr, 16), " ".join(text.split())) for addr, text in _INSTRUCTION.findall(listing)]
 
 
+def disassemble(path: Path) -> str:
+    """cuobjdump -sass of an object or cubin (cuobjdump runs nvdisasm, which the wheels install beside it)."""
+    cuobjdump = find_cuobjdump()
+    env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    dump = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, env=env)
+    if dump.returncode != 0:
+        raise SystemExit(f"cuobjdump {path} failed: {dump.stderr.strip()}")
+    return dump.stdout
+
+
 def loops(listing: str, op: str) -> list[int]:
     """The instruction counts of the loops (a backward branch to an earlier instruction of the function,
     and the span between them) that hold an instruction whose text contains `op`, spans of at most 400
@@ -112,16 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op", default="IDP", help="an opcode the reported loops must hold (default: IDP)")
     parser.add_argument("--flags", default="", help="extra nvcc flags in one string: --flags='-DA=1 -DB=0'")
     args = parser.parse_args(argv)
-    cuobjdump = find_cuobjdump()
+    find_cuobjdump()  # before the compilation: a missing tool says so at once
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         resources = ptxas_resources(compile_cubin(args.source, shlex.split(args.flags), cubin))
-        # cuobjdump runs nvdisasm, which the wheels install beside it
-        env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        dump = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
-        if dump.returncode != 0:
-            raise SystemExit(f"cuobjdump failed: {dump.stderr.strip()}")
-    sass = dump.stdout
+        sass = disassemble(cubin)
     matched = 0
     for name, listing in split_functions(sass).items():
         if not re.search(args.kernel, name):

@@ -17,13 +17,12 @@ listed).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_loops import find_cuobjdump, instructions, split_functions  # noqa: E402
+from sass_loops import disassemble, instructions, split_functions  # noqa: E402
 
 ANONYMOUS = "(anonymous namespace)::"
 
@@ -37,14 +36,9 @@ def demangle(names: list[str]) -> list[str]:
 
 def kernels(objects: list[Path]) -> dict[str, list[str]]:
     """{demangled kernel name without anonymous namespaces: its instruction texts} over all the objects."""
-    cuobjdump = find_cuobjdump()
-    env = {**os.environ, "PATH": f"{Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     out: dict[str, list[str]] = {}
     for obj in objects:
-        dump = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, env=env)
-        if dump.returncode != 0:
-            raise SystemExit(f"cuobjdump {obj} failed: {dump.stderr.strip()}")
-        funcs = split_functions(dump.stdout)
+        funcs = split_functions(disassemble(obj))
         for mangled, name in zip(funcs, demangle(list(funcs)), strict=True):
             key = name.replace(ANONYMOUS, "")
             if key in out:
