@@ -181,9 +181,10 @@ inline double time_graph(const std::function<void(cudaStream_t)>& body, cudaStre
 // layer of variant v (first: on the pool's first layer of regions, else on the next fresh ones) adding its
 // checksum to sum when not null; want(v, host) is the host's checksum of what variant v reads of the first layer.
 // Every variant's checksum first, then microseconds per layer of 24 layers in a CUDA graph. The exit code.
+using LayerRun = std::function<void(int, bool, unsigned long long*, cudaStream_t)>;
+using LayerWant = std::function<uint32_t(int, const std::vector<uint32_t>&)>;
 inline int check_then_time(int variants, const char* const* names, const uint8_t* pool, int64_t pool_bytes,
-                           double layer_mb, const std::function<void(int, bool, unsigned long long*, cudaStream_t)>& run,
-                           const std::function<uint32_t(int, const std::vector<uint32_t>&)>& want, cudaStream_t st) {
+                           double layer_mb, const LayerRun& run, const LayerWant& want, cudaStream_t st) {
   std::vector<uint32_t> host(pool_bytes / 4);
   CHECK(cudaMemcpy(host.data(), pool, pool_bytes, cudaMemcpyDeviceToHost));
   unsigned long long* dsum;
@@ -194,8 +195,9 @@ inline int check_then_time(int variants, const char* const* names, const uint8_t
     CHECK(cudaStreamSynchronize(st));
     unsigned long long got = 0;
     CHECK(cudaMemcpy(&got, dsum, 8, cudaMemcpyDeviceToHost));
-    if (static_cast<uint32_t>(got) != want(v, host)) {
-      std::printf("%s: checksum %x, want %x: WRONG\n", names[v], static_cast<uint32_t>(got), want(v, host));
+    const uint32_t expected = want(v, host);
+    if (static_cast<uint32_t>(got) != expected) {
+      std::printf("%s: checksum %x, want %x: WRONG\n", names[v], static_cast<uint32_t>(got), expected);
       return 1;
     }
   }
