@@ -442,6 +442,7 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
     timed_total = sum(timed_us) or None
     step_us = wall_s * 1e6 / steps
     best_total = kernel_total or replay_us or timed_total
+    achieved_gb_s, achieved_fraction = rates(total_bytes, best_total)
     return {
         **variant.as_dict(),
         "steps": steps,
@@ -465,9 +466,8 @@ def _profile_engine(engine: Any, variant: Variant, prompt_ids: list[int], n_toke
         "step_gap_us": gap,
         "weight_bytes_per_token": sum(r["weight_bytes"] for r in task_rows),
         "bytes_per_token": total_bytes,
-        "achieved_gb_s": total_bytes / (best_total * 1e-6) / 1e9 if best_total else None,
-        "fraction_of_copy_bandwidth": (total_bytes / (best_total * 1e-6) / 1e9 / copy_gb_s
-                                       if best_total else None),
+        "achieved_gb_s": achieved_gb_s,
+        "fraction_of_copy_bandwidth": achieved_fraction,
         "floor_us_per_token": total_bytes / (copy_gb_s * 1e9) * 1e6,
         "by_kind": list(by_kind.values()),
         "tasks": task_rows,
