@@ -140,8 +140,8 @@ def test_qkv_rope_attention_is_qkv_rope_then_attention_bitwise(device: str, case
         out = poisoned((n_tokens, n_heads * hd), device)
         out_q = torch.zeros(n_tokens, K.act_groups_bytes(n_heads * hd), dtype=torch.uint8, device=device)
         scratch = torch.zeros(words, dtype=torch.int32, device=device)
-        qkv = (Q8_0_TILED, x, given[0], given[1], norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden, n_heads, n_kv, hd,
-               max_ctx, base, True, given[2])
+        qkv = (Q8_0_TILED, x, given[0], given[1], norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden,
+               n_heads, n_kv, hd, max_ctx, base, True, given[2])
         for _ in range(3):
             if fold:
                 K.qkv_rope_attention(*qkv, out, scratch, out_q)

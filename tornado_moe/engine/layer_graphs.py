@@ -102,9 +102,9 @@ def _qkv_fused(dm: DeviceModel, i: int) -> bool:
 
 
 def _attention_folded(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
-    """Whether layer i's attention runs inside its qkv_rope launch (qkv_rope_attention as one launch): a fusion,
-    so only where the experts are fused too; the per-slot graphs keep the two launches, which the determinism
-    check then compares it with."""
+    """Whether layer i's attention runs inside its qkv_rope launch (qkv_rope_attention as one launch): a
+    fusion, so only where the experts are fused too; the per-slot graphs keep the two launches, which the
+    determinism check then compares it with."""
     cfg = dm.config
     return (fuse_experts and _qkv_fused(dm, i)
             and tm_ops.qkv_rope_attention_launches(dm.device, _w(dm.layers[i], "attn_q").qtype, n_tokens,

@@ -72,10 +72,10 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                  "max_ctx", "freq_base", "neox", "xw_groups"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
                   "max_ctx", "scratch", "out_groups"),
-    "qkv_rope_attention": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v",
-                           "q", "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads", "n_kv_heads",
-                           "head_dim", "max_ctx", "freq_base", "neox", "xw_groups", "out", "scratch",
-                           "out_groups"),
+    "qkv_rope_attention": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k",
+                           "b_v", "q", "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads",
+                           "n_kv_heads", "head_dim", "max_ctx", "freq_base", "neox", "xw_groups", "out",
+                           "scratch", "out_groups"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
@@ -297,13 +297,13 @@ def qkv_rope_attention(
     scratch: torch.Tensor,
     out_groups: torch.Tensor | None = None,
 ) -> None:
-    """qkv_rope then attention (``out``, ``scratch``, ``out_groups`` as attention's), bitwise. A decode step
-    (``n_tokens == 1``) of tiled Q8_0 rows with 128-value heads is ONE launch on the GPU: the last block of a kv
-    head's q, k and v products runs that head's attention, which saves the attention launch and its wait
-    (``qkv_rope_attention_launches`` says whether the shapes allow it); otherwise the two launches."""
-    _ops().qkv_rope_attention(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache,
-                              pos, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox,
-                              xw_groups, out, scratch, out_groups, stream_of(q))
+    """qkv_rope then attention (``out``, ``scratch``, ``out_groups`` as attention's), bitwise. A decode
+    step (``n_tokens == 1``) of tiled Q8_0 rows with 128-value heads is ONE launch on the GPU: the last block
+    of a kv head's q, k and v products runs that head's attention, which saves the attention launch and its
+    wait (``qkv_rope_attention_launches`` says whether the shapes allow it); otherwise the two launches."""
+    _ops().qkv_rope_attention(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache,
+                              v_cache, pos, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx,
+                              freq_base, neox, xw_groups, out, scratch, out_groups, stream_of(q))
 
 
 def qkv_rope_attention_launches(device: torch.device | str, qtype: int, n_tokens: int, n_heads: int,
