@@ -241,9 +241,7 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         tasks = {(t["graph"], t["task"]): t for t in v["tasks"]}
         assert all(t["launches_measured"] == 1 for t in v["tasks"])
         assert all(isinstance(t["time_us"], float) and t["time_us"] > 0 for t in v["tasks"])
-        # fused: attention inside the qkv launch (qkv_rope_attention), which reads no further weights
-        assert tasks[("layer0", "attn_qkv_attention" if fused else "attn_qkv")]["weight_bytes"] == qkv_bytes
-        assert (("layer0", "attention") in tasks) != fused
+        assert tasks[("layer0", "attn_qkv")]["weight_bytes"] == qkv_bytes
         if fused:  # the router, the shared expert and every slot's gate-up and down: one launch
             router = nbytes("ffn_gate_inp") + 4 * cfg.hidden  # F32 router rows and the F32 ffn_norm
             assert tasks[("layer0", "router_experts_ffn")]["weight_bytes"] == pytest.approx(

@@ -207,10 +207,7 @@ def test_declared_launch_counts(tiny) -> None:
     assert "router_topk" not in [t.name for t in fused.graphs[1].tasks]
     assert len(routed(per_slot)) == 2 * cfg.top_k
     per_layer_diff = per_slot.graphs[1].launch_count - fused.graphs[1].launch_count
-    # + the router, the shared expert's two - the fused one; + the attention that the fused graph's
-    # qkv_rope_attention takes in (the CPU's one call; on a GPU qkv_rope_attention_launches decides)
-    assert [t.kernel for t in fused.graphs[1].tasks][:2] == ["qkv_rope_attention", "matmul"]
-    assert per_layer_diff == 2 * cfg.top_k + 2 + 1
+    assert per_layer_diff == 2 * cfg.top_k + 2  # + the router, the shared expert's two - the fused one
     assert per_slot.launches_per_token - fused.launches_per_token == cfg.n_layers * per_layer_diff
     # a step of several tokens keeps the two fused launches
     two = Activations(cfg, torch.device("cpu"), max_tokens=2, max_context=8)

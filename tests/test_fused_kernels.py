@@ -4,7 +4,6 @@ the shapes the small kernel tests do not reach.
 - ``qkv_rope`` == rmsnorm_factors, three matmuls (scaled by inv, with bias) and rope_kv_append, bit for bit,
   on every device, with xw given or computed in the kernel, also when the kernel before it moves the position
   it reads;
-- ``qkv_rope_attention`` == qkv_rope then attention, bit for bit (on the GPU one launch for a decode step);
 - ``rmsnorm_router_topk`` == rmsnorm then router_topk, bit for bit (h, ids and weights);
 - ``experts_gate_up`` == the shared expert's moe_gate_up then the routed one's, bit for bit (also tiled);
 - a gate-up of several tokens (CUDA: grouped GEMMs, a block per expert) == the same tokens one at a time, bit
@@ -101,66 +100,6 @@ def test_qkv_rope_is_the_unfused_sequence_bitwise(device: str, qtype: int, neox:
         assert torch.equal(kc[rows], kc_ref[rows]) and torch.equal(vc[rows], vc_ref[rows])
         # no other cache row is touched
         assert torch.isnan(kc[:pos0]).all() and torch.isnan(vc[pos0 + n_tokens :]).all()
-
-
-# n_heads, n_kv_heads, pos0: 1 position; 4 tiles (one busy rank); 5 (two: one pass of the folded block's two
-# ranks); 10 (three: two passes); 35 (all eight ranks, their first workers two tiles each); GQA (a kv head's
-# block runs four q heads)
-FOLD_CASES = [(4, 4, 0), (4, 4, 100), (4, 4, 140), (4, 4, 300), (4, 4, 1100), (8, 2, 140)]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}p{c[2]}")
-def test_qkv_rope_attention_is_qkv_rope_then_attention_bitwise(device: str, case: tuple) -> None:
-    """qkv_rope_attention == qkv_rope then attention, bit for bit (q, the cache rows, out and its int8
-    groups), with xw computed or given, three calls in a row on one scratch (the folded launch's counters go
-    back to zero, as attention's do); on the GPU these decode shapes are one launch, and a step of two tokens,
-    or heads of 64 values, are not."""
-    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
-
-    n_heads, n_kv, pos0 = case
-    n_tokens, hidden, hd, eps, base = 1, 256, 128, 1e-6, 1e6
-    max_ctx = pos0 + 2
-    rng = np.random.default_rng(13)
-    x, norm_w = randn(rng, (n_tokens, hidden), device, 2.0), randn(rng, (hidden,), device)
-    ws = [tile_q8_0(ref.make_weights(rng, (n * hd, hidden), 8, 0.2)[0].to(device), hidden)
-          for n in (n_heads, n_kv, n_kv)]
-    bs = [randn(rng, (n * hd,), device) for n in (n_heads, n_kv, n_kv)]
-    cache = randn(rng, (2, max_ctx, n_kv * hd), device)  # earlier positions' keys and values
-    pos = torch.tensor([pos0], dtype=torch.int32, device=device)
-    xw, inv = poisoned((n_tokens, hidden), device), poisoned((n_tokens,), device)
-    xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
-    K.rmsnorm_factors(x, norm_w, xw, xss, inv, n_tokens, hidden, eps)
-    xw_groups = ref.act_groups(xw).to(device)
-    words = K.attention_scratch_words(n_tokens, n_heads, hd)
-
-    def run(fold: bool, given: tuple) -> tuple[torch.Tensor, ...]:
-        q = poisoned((n_tokens, n_heads * hd), device)
-        kc, vc = cache[0].clone(), cache[1].clone()
-        out = poisoned((n_tokens, n_heads * hd), device)
-        out_q = torch.zeros(n_tokens, K.act_groups_bytes(n_heads * hd), dtype=torch.uint8, device=device)
-        scratch = torch.zeros(words, dtype=torch.int32, device=device)
-        qkv = (Q8_0_TILED, x, given[0], given[1], norm_w, eps, *ws, *bs, q, kc, vc, pos, n_tokens, hidden,
-               n_heads, n_kv, hd, max_ctx, base, True, given[2])
-        for _ in range(3):
-            if fold:
-                K.qkv_rope_attention(*qkv, out, scratch, out_q)
-            else:
-                K.qkv_rope(*qkv)
-                K.attention(q, kc, vc, out, pos, n_tokens, n_heads, n_kv, hd, max_ctx, scratch, out_q)
-        assert not scratch.any()
-        return q, kc, vc, out, out_q
-
-    for given in ((None, None, None), (xw, xss, xw_groups)):
-        expected = run(False, given)
-        got = run(True, given)
-        assert not torch.isnan(expected[3]).any()
-        for g, e in zip(got, expected, strict=True):
-            assert torch.equal(g, e)
-    launches = K.qkv_rope_attention_launches
-    assert launches(device, Q8_0_TILED, 1, n_heads, n_kv, hd) == 1
-    assert launches(device, Q8_0_TILED, 2, n_heads, n_kv, hd) == (2 if device == "cuda" else 1)
-    assert launches(device, Q8_0_TILED, 1, n_heads, n_kv, 64) == (2 if device == "cuda" else 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -114,18 +114,6 @@ int tm_cuda_router_experts_ffn(float* x, const float* norm_w, float eps, float* 
 /* 1 or 2: the launches tm_router_experts_ffn makes for these shapes on the current device (negative: error). */
 int tm_cuda_router_experts_ffn_launches(int qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
                                         int64_t hidden, int64_t ffn_sh, int64_t ffn);
-/* tm_qkv_rope_attention's folded launch; TM_NOT_APPLICABLE (nothing launched) where it does not apply: the caller
- * then makes the two calls it stands for. */
-int tm_cuda_qkv_rope_attention(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
-                               float eps, const void* w_q, const void* w_k, const void* w_v, const float* b_q,
-                               const float* b_k, const float* b_v, float* q, float* k_cache, float* v_cache,
-                               const int32_t* pos, int64_t n_tokens, int64_t hidden, int64_t n_heads,
-                               int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
-                               const uint8_t* xw_groups, float* out, int32_t* scratch, uint8_t* out_groups,
-                               void* stream);
-/* 1 or 2: the launches tm_qkv_rope_attention makes for these shapes on the current device (negative: error). */
-int tm_cuda_qkv_rope_attention_launches(int qtype, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                        int64_t head_dim);
 
 #ifdef __cplusplus
 }

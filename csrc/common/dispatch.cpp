@@ -187,34 +187,6 @@ int check_act_groups(const char* fn, const void* groups_sh, const float* act_sh,
   return check_groups(fn, "act_groups", groups, act, "act", "ffn", ffn);
 }
 
-int check_qkv_rope_args(const char* fn, int qtype, const float* x, const float* xw, const float* xss,
-                        const float* norm_w, float eps, const void* w_q, const void* w_k, const void* w_v, float* q,
-                        float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
-                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, float freq_base,
-                        const uint8_t* xw_groups) {
-  TM_TRY(check_qtype(fn, qtype));
-  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "q", q, n_tokens, "hidden", hidden, eps));
-  TM_TRY(check_ptr(fn, "w_q", w_q));
-  TM_TRY(check_ptr(fn, "w_k", w_k));
-  TM_TRY(check_ptr(fn, "w_v", w_v));
-  TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
-  TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
-  if ((xw == nullptr) != (xss == nullptr))
-    return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
-  return check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden);
-}
-
-int check_attention_args(const char* fn, const float* q, const float* k_cache, const float* v_cache, float* out,
-                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                         int64_t max_ctx, int32_t* scratch, uint8_t* out_groups) {
-  TM_TRY(check_ptr(fn, "out", out));
-  TM_TRY(check_ptr(fn, "scratch", scratch));
-  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
-  if (n_heads % n_kv_heads != 0)
-    return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
-                        n_heads, n_kv_heads);
-  return check_groups(fn, "out_groups", out_groups, out, "out", "head_dim", head_dim);
-}
 }  // namespace
 
 #define TM_FORWARD(kernel, device, ...)                                                              \
@@ -349,8 +321,16 @@ TM_API int tm_qkv_rope(tm_device device, int qtype, const float* x, const float*
                        int neox, const uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_qkv_rope";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_qkv_rope_args(fn, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, q, k_cache, v_cache, pos, n_tokens,
-                             hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, xw_groups));
+  TM_TRY(check_qtype(fn, qtype));
+  TM_TRY(check_rmsnorm_args(fn, "x", x, "norm_w", norm_w, "q", q, n_tokens, "hidden", hidden, eps));
+  TM_TRY(check_ptr(fn, "w_q", w_q));
+  TM_TRY(check_ptr(fn, "w_k", w_k));
+  TM_TRY(check_ptr(fn, "w_v", w_v));
+  TM_TRY(check_row_length(fn, "hidden", qtype, hidden));
+  TM_TRY(check_rope_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, freq_base));
+  if ((xw == nullptr) != (xss == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
+  TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(qkv_rope, device, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
                     n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox ? 1 : 0, xw_groups,
                     stream);
@@ -361,46 +341,15 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
                         int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream) {
   const char* fn = "tm_attention";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_attention_args(fn, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx,
-                              scratch, out_groups));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_ptr(fn, "scratch", scratch));
+  TM_TRY(check_cache_args(fn, q, k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx));
+  if (n_heads % n_kv_heads != 0)
+    return tm_set_error(kInvalid, "%s: n_heads = %" PRId64 " is not a multiple of n_kv_heads = %" PRId64, fn,
+                        n_heads, n_kv_heads);
+  TM_TRY(check_groups(fn, "out_groups", out_groups, out, "out", "head_dim", head_dim));
   return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                     max_ctx, scratch, out_groups, stream);
-}
-
-TM_API int tm_qkv_rope_attention(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
-                                 const float* norm_w, float eps, const void* w_q, const void* w_k, const void* w_v,
-                                 const float* b_q, const float* b_k, const float* b_v, float* q, float* k_cache,
-                                 float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
-                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                                 float freq_base, int neox, const uint8_t* xw_groups, float* out, int32_t* scratch,
-                                 uint8_t* out_groups, void* stream) {
-  const char* fn = "tm_qkv_rope_attention";
-  TM_TRY(check_device(fn, device));
-  TM_TRY(check_qkv_rope_args(fn, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, q, k_cache, v_cache, pos, n_tokens,
-                             hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, xw_groups));
-  TM_TRY(check_attention_args(fn, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx,
-                              scratch, out_groups));
-  const int rot = neox ? 1 : 0;
-  if (device == TM_DEVICE_CUDA) {  // the folded launch where it applies
-    const int status = tm_cuda_qkv_rope_attention(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q,
-                                                  k_cache, v_cache, pos, n_tokens, hidden, n_heads, n_kv_heads,
-                                                  head_dim, max_ctx, freq_base, rot, xw_groups, out, scratch,
-                                                  out_groups, stream);
-    if (status != TM_NOT_APPLICABLE) return status;
-  }
-  // the two calls it stands for, on either backend
-  TM_TRY(TM_FORWARD(qkv_rope, device, qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache,
-                    v_cache, pos, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, rot, xw_groups,
-                    stream));
-  return TM_FORWARD(attention, device, q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim,
-                    max_ctx, scratch, out_groups, stream);
-}
-
-TM_API int tm_qkv_rope_attention_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_heads,
-                                          int64_t n_kv_heads, int64_t head_dim) {
-  TM_TRY(check_device("tm_qkv_rope_attention_launches", device));
-  if (device == TM_DEVICE_CPU) return 1;
-  return tm_cuda_qkv_rope_attention_launches(qtype, n_tokens, n_heads, n_kv_heads, head_dim);
 }
 
 TM_API int tm_router_topk(tm_device device, const float* w_router, const float* h, int32_t* ids, float* weights,

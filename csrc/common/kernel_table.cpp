@@ -84,18 +84,6 @@ const KernelRow kKernels[] = {
                            i64(a[9]), ptr<int32_t>(a[10]), ptr<uint8_t>(a[11]), s);
      },
      0},
-    {"qkv_rope_attention", "qpnnpfpppnnnppppiiiiiifbnppn",
-     [](tm_device d, const uint64_t* a, void* s) {
-       return tm_qkv_rope_attention(d, i32(a[0]), ptr<const float>(a[1]), ptr<const float>(a[2]),
-                                    ptr<const float>(a[3]), ptr<const float>(a[4]), f32(a[5]), ptr<const void>(a[6]),
-                                    ptr<const void>(a[7]), ptr<const void>(a[8]), ptr<const float>(a[9]),
-                                    ptr<const float>(a[10]), ptr<const float>(a[11]), ptr<float>(a[12]),
-                                    ptr<float>(a[13]), ptr<float>(a[14]), ptr<const int32_t>(a[15]), i64(a[16]),
-                                    i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]), i64(a[21]), f32(a[22]),
-                                    i32(a[23]), ptr<const uint8_t>(a[24]), ptr<float>(a[25]), ptr<int32_t>(a[26]),
-                                    ptr<uint8_t>(a[27]), s);
-     },
-     0},
     {"router_topk", "ppppiiiib",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_topk(d, ptr<const float>(a[0]), ptr<const float>(a[1]), ptr<int32_t>(a[2]),

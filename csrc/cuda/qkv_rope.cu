@@ -14,15 +14,7 @@
  * prefetches its two weight rows into L2, and lane 0 computes its item's rotation factors from the position it
  * finds then (checked against pos[0] after the dot product; see the kernel). With xw's int8 groups (the down
  * stored them beside xw), tiled rows multiply those instead of rounding xw in every warp: the same bits.
- *
- * Folded form (tm_qkv_rope_attention, one token): the kernel above, then each block counts itself done for its kv
- * head (an integer counter in the attention scratch, after a fence), and the last of a kv head's blocks (its q
- * heads' q items, its k and v items) runs the attention of that kv head's q heads with attention.cuh's arithmetic:
- * warps 0-3 and 4-7 are two ranks of tm_attention's schedule at a time, their partials merged in shared memory in
- * rank order, so the result is tm_attention's bits without its launch. It reads what other blocks of the grid
- * wrote through L2 only (attention.cuh's COHERENT form).
  */
-#include "attention.cuh"
 #include "norm.cuh"
 #include "qdot.cuh"
 #include "rope.cuh"
@@ -38,28 +30,6 @@ constexpr int64_t kQkvXwOffset = (kRopeSlotWords * kQkvWarps + 3) / 4 * 4;
 __host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes_xw) {
   return computes_xw ? kQkvXwOffset + hidden + norm_groups(hidden) : kRopeSlotWords * kQkvWarps;
 }
-// The folded form's attention, after those at a 16-byte boundary: two rank areas (warps 0-3, 4-7), then the
-// kAttBlocks rank partials of head_dim + 2 floats.
-constexpr int kFoldRanks = kQkvWarps / kAttWarps;  // ranks run at a time
-__host__ __device__ inline int64_t qkv_fold_offset(int64_t hidden, bool computes_xw) {
-  return (qkv_smem_floats(hidden, computes_xw) + 3) / 4 * 4;
-}
-__host__ __device__ inline int64_t qkv_fold_smem_floats(int64_t hidden, bool computes_xw, int64_t head_dim) {
-  return qkv_fold_offset(hidden, computes_xw) + kFoldRanks * att_rank_area_floats(head_dim) +
-         kAttBlocks * (head_dim + 2);
-}
-// The folded form's attention instantiation: head_dim 128 in the vector layout (the Qwen and Llama heads), value
-// rows 8 positions at a time (the same sum order as tm_attention's 16; under qkv's register cap ptxas spills 268
-// bytes with 8, 144 with 4 and 404 with 16).
-constexpr int kFoldDpl = 4;
-constexpr int kFoldHeadDim = 32 * kFoldDpl;
-#ifndef TM_QKV_FOLD_VGROUP
-#define TM_QKV_FOLD_VGROUP 8
-#endif
-constexpr int kFoldVGroup = TM_QKV_FOLD_VGROUP;
-#ifndef TM_QKV_FOLD
-#define TM_QKV_FOLD 1  // 0: tm_qkv_rope_attention is always the two launches (a measurement build)
-#endif
 // Blocks per SM the kernel is compiled for: 3 for tiled rows (the tiled reader's whole-batch path takes more
 // registers and 2 blocks per SM when left alone; results/NOTES.md); 0, the compiler's own choice, for the others
 // (80 registers for Q8_0: the 384 blocks of a Qwen layer in one wave).
@@ -86,47 +56,28 @@ struct QkvArgs {
   int64_t hidden, n_heads, n_kv, head_dim, max_ctx, row_bytes, nblocks, blocks_per_token;
   float eps, freq_base;
   int neox;
-  // the folded form's attention (tm_attention's arguments)
-  float* att_out;
-  uint8_t* att_out_q;
-  AttScratch att_scratch;
-  float att_scale;
 };
 
-// Where a work item's rows are: q, k or v (which) and the head and pair index i in it.
-struct QkvItem {
-  int which;
-  int64_t head, i;
-  bool active;
-};
-__device__ __forceinline__ QkvItem qkv_item(const QkvArgs& a, int64_t rest) {
-  const int64_t half = a.head_dim / 2;
-  QkvItem it{0, 0, 0, rest < (a.n_heads + 2 * a.n_kv) * half};
-  if (rest >= a.n_heads * half) {
-    rest -= a.n_heads * half;
-    it.which = 1;
-    if (rest >= a.n_kv * half) {
-      rest -= a.n_kv * half;
-      it.which = 2;
-    }
-  }
-  it.head = rest / half;
-  it.i = rest % half;
-  return it;
-}
-
-// One block's work items. Q: the products read xw's int8 groups (a.xw_q) instead of rounding xw itself (tiled rows;
-// the same bits).
+// Q: the products read xw's int8 groups (a.xw_q) instead of rounding xw itself (tiled rows; the same bits).
 template <Fmt F, bool V, bool Q>
-__device__ __forceinline__ void qkv_rope_items(const QkvArgs& a, int64_t block0, float* qkv_smem) {
+__global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
+  extern __shared__ __align__(16) float qkv_smem[];  // qkv_smem_floats' layout
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t b = block0 + blockIdx.x;
   const int64_t t = b / a.blocks_per_token;
   const int64_t half = a.head_dim / 2;
-  const QkvItem it = qkv_item(a, (b % a.blocks_per_token) * kQkvWarps + warp);
-  const bool active = it.active;
-  const int which = it.which;
-  const int64_t head = it.head, i = it.i;
+  int64_t rest = (b % a.blocks_per_token) * kQkvWarps + warp;
+  const bool active = rest < (a.n_heads + 2 * a.n_kv) * half;
+  int which = 0;
+  if (rest >= a.n_heads * half) {
+    rest -= a.n_heads * half;
+    which = 1;
+    if (rest >= a.n_kv * half) {
+      rest -= a.n_kv * half;
+      which = 2;
+    }
+  }
+  const int64_t head = rest / half, i = rest % half;
   const int64_t da = a.neox ? i : 2 * i, db = a.neox ? i + half : 2 * i + 1;
   const int64_t ra = head * a.head_dim + da, rb = head * a.head_dim + db;
   if (active && t == 0) {  // weights only: before pdl_wait
@@ -199,82 +150,18 @@ __device__ __forceinline__ void qkv_rope_items(const QkvArgs& a, int64_t block0,
   dst[db] = vb;
 }
 
-// The folded form's tail (one token; every block's 8 items in one q, k or v head: (head_dim / 2) % 8 == 0): the
-// block counts itself done for its kv head, and the last one runs the attention of that kv head's q heads.
-template <int VGROUP>
-__device__ __forceinline__ void qkv_fold_attention(const QkvArgs& a, int64_t block0, float* fold) {
-  __shared__ bool s_last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t group = a.n_heads / a.n_kv;
-  const QkvItem it = qkv_item(a, (block0 + blockIdx.x) * kQkvWarps);
-  const int64_t kvh = it.which == 0 ? it.head / group : it.head;
-  // a kv head's blocks: its q heads' q items, its k items and its v items, 8 a block
-  const uint32_t blocks_of_kvh = static_cast<uint32_t>((group + 2) * (a.head_dim / 2) / kQkvWarps);
-  __syncthreads();  // every warp's rows stored
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's q, k and v before its arrival (cumulative over the block's stores)
-    const uint32_t before = atomicAdd(a.att_scratch.fold_arrival(kvh), 1u);
-    s_last = before == blocks_of_kvh - 1;
-    if (s_last) {
-      *a.att_scratch.fold_arrival(kvh) = 0;  // for the next call (every block of the kv head has arrived)
-      __threadfence();                        // the other blocks' rows after their arrivals
-    }
-  }
-  __syncthreads();
-  if (!s_last) return;
-  const int64_t hd = a.head_dim;
-  const int64_t n_pos = att_context(static_cast<int64_t>(a.pos[0]), 0, a.max_ctx);
-  const int n_part = att_busy_ranks(n_pos) > 0 ? att_busy_ranks(n_pos) : 1;
-  const int half_rank = warp / kAttWarps, wr = warp % kAttWarps;  // which of the two ranks, the warp in it
-  float* area = fold + half_rank * att_rank_area_floats(hd);
-  float* parts = fold + kFoldRanks * att_rank_area_floats(hd);
-  for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-    const AttPair ap{a.q + h * hd, a.k_cache + kvh * hd, a.v_cache + kvh * hd, a.n_kv * hd, hd, n_pos, a.att_scale};
-    for (int r0 = 0; r0 < n_part; r0 += kFoldRanks) {
-      const int rank = r0 + half_rank;
-      if (rank < n_part) {
-        float acc[kFoldDpl], m, l;
-        att_worker<kFoldDpl, true, true, VGROUP>(ap, rank * kAttWarps + wr, lane, m, l, acc);
-        att_store_warp<kFoldDpl, true>(area, wr, lane, m, l, acc, hd);
-      }
-      __syncthreads();
-      if (rank < n_part) att_block_merge<kFoldDpl>(area, parts + rank * (hd + 2), threadIdx.x % kAttRankThreads, hd);
-      __syncthreads();
-    }
-    if (warp < kAttWarps) {
-      const float* part[kAttBlocks];
-#pragma unroll
-      for (int c = 0; c < kAttBlocks; ++c) part[c] = parts + c * (hd + 2);
-      att_final_merge<kFoldDpl>(part, n_part, [](const float* p) { return *p; }, a.att_out + h * hd, a.att_out_q,
-                                h * hd, threadIdx.x, hd);
-    }
-    __syncthreads();  // the areas free for the next head
-  }
-}
-
-// A: the folded form (qkv_fold_attention after the items).
-template <Fmt F, bool V, bool Q, bool A>
-__global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_kernel(const QkvArgs a, int64_t block0) {
-  extern __shared__ __align__(16) float qkv_smem[];  // qkv_smem_floats' layout (A: then qkv_fold_smem_floats')
-  qkv_rope_items<F, V, Q>(a, block0, qkv_smem);
-  if constexpr (A) qkv_fold_attention<kFoldVGroup>(a, block0, qkv_smem + qkv_fold_offset(a.hidden, a.xw == nullptr));
-}
-
 }  // namespace
 }  // namespace tm_cuda
 
 using namespace tm_cuda;
 
-namespace {
-
-// tm_qkv_rope's launch; with att_out, the folded form (the caller checked qkv_folds_attention).
-int launch_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w, float eps,
-                    const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
-                    const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos, int64_t n_tokens,
-                    int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                    float freq_base, int neox, const uint8_t* xw_groups, float* att_out, int32_t* att_scratch,
-                    uint8_t* att_out_q, void* stream) {
-  const char* fn = att_out != nullptr ? "tm_qkv_rope_attention" : "tm_qkv_rope";
+extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
+                                float eps, const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
+                                const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
+                                int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                int64_t max_ctx, float freq_base, int neox, const uint8_t* xw_groups,
+                                void* stream) {
+  const char* fn = "tm_qkv_rope";
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "xw", xw));
   TM_TRY(check_f32_alignment(fn, "xss", xss));
@@ -290,9 +177,7 @@ int launch_qkv_rope(int qtype, const float* x, const float* xw, const float* xss
   TM_TRY(check_f32_alignment(fn, "v_cache", v_cache));
   Limits lim;
   TM_TRY(get_limits(&lim));
-  const bool fold = att_out != nullptr;
-  const int64_t smem = (fold ? qkv_fold_smem_floats(hidden, xw == nullptr, head_dim)
-                             : qkv_smem_floats(hidden, xw == nullptr)) * static_cast<int64_t>(sizeof(float));
+  const int64_t smem = qkv_smem_floats(hidden, xw == nullptr) * static_cast<int64_t>(sizeof(float));
   if (smem > lim.smem_block)
     return tm_set_error(TM_ERR_INVALID_ARGUMENT,
                         "%s: hidden = %lld needs %lld bytes of shared memory per block, above the limit %lld", fn,
@@ -326,10 +211,6 @@ int launch_qkv_rope(int qtype, const float* x, const float* xw, const float* xss
   a.eps = eps;
   a.freq_base = freq_base;
   a.neox = neox;
-  a.att_out = att_out;
-  a.att_out_q = att_out_q;
-  a.att_scratch = att_scratch_of(att_scratch, head_dim);
-  a.att_scale = att_scale(head_dim);
   // the activations: xw rows in global memory, or the copy at a 16-byte boundary of shared memory
   const bool x16 = xw == nullptr || (aligned(xw, 16) && hidden % 4 == 0);
   const bool v = fmt_vector_ok(f, w_q, x16) && fmt_vector_ok(f, w_k, x16) && fmt_vector_ok(f, w_v, x16);
@@ -348,58 +229,8 @@ int launch_qkv_rope(int qtype, const float* x, const float* xw, const float* xss
       return TM_OK;
     };
     if constexpr (fmt_tiled(F)) {
-      if (xw_groups != nullptr)
-        return fold ? run(qkv_rope_kernel<F, V, true, true>) : run(qkv_rope_kernel<F, V, true, false>);
-      if (fold) return run(qkv_rope_kernel<F, V, false, true>);
+      if (xw_groups != nullptr) return run(qkv_rope_kernel<F, V, true>);
     }
-    return run(qkv_rope_kernel<F, V, false, false>);
+    return run(qkv_rope_kernel<F, V, false>);
   });
-}
-
-// Whether tm_qkv_rope_attention is one launch for these shapes: one token in one grid, every block's items in one
-// q, k or v head, the attention instantiation's head size, and 32-bit row offsets for its vector loads.
-bool qkv_folds_attention(const Limits& lim, int qtype, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                         int64_t head_dim) {
-  const int64_t blocks = ceil_div((n_heads + 2 * n_kv_heads) * (head_dim / 2), kQkvWarps);
-  return TM_QKV_FOLD && TM_ATT_VEC && qtype == TM_Q8_0_TILED && n_tokens == 1 && head_dim == kFoldHeadDim &&
-         (head_dim / 2) % kQkvWarps == 0 && n_heads % n_kv_heads == 0 && blocks <= lim.max_grid_x &&
-         n_kv_heads * head_dim * kAttTile < (int64_t{1} << 31);
-}
-
-}  // namespace
-
-extern "C" int tm_cuda_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
-                                float eps, const void* w_q, const void* w_k, const void* w_v, const float* b_q, const float* b_k,
-                                const float* b_v, float* q, float* k_cache, float* v_cache, const int32_t* pos,
-                                int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                                int64_t max_ctx, float freq_base, int neox, const uint8_t* xw_groups,
-                                void* stream) {
-  return launch_qkv_rope(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                         n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, xw_groups, nullptr,
-                         nullptr, nullptr, stream);
-}
-
-extern "C" int tm_cuda_qkv_rope_attention(int qtype, const float* x, const float* xw, const float* xss,
-                                          const float* norm_w, float eps, const void* w_q, const void* w_k,
-                                          const void* w_v, const float* b_q, const float* b_k, const float* b_v,
-                                          float* q, float* k_cache, float* v_cache, const int32_t* pos,
-                                          int64_t n_tokens, int64_t hidden, int64_t n_heads, int64_t n_kv_heads,
-                                          int64_t head_dim, int64_t max_ctx, float freq_base, int neox,
-                                          const uint8_t* xw_groups, float* out, int32_t* scratch,
-                                          uint8_t* out_groups, void* stream) {
-  Limits lim;
-  TM_TRY(get_limits(&lim));
-  if (!qkv_folds_attention(lim, qtype, n_tokens, n_heads, n_kv_heads, head_dim) || !aligned(q, 16) ||
-      !aligned(k_cache, 16) || !aligned(v_cache, 16))
-    return TM_NOT_APPLICABLE;
-  return launch_qkv_rope(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                         n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, freq_base, neox, xw_groups, out,
-                         scratch, out_groups, stream);
-}
-
-extern "C" int tm_cuda_qkv_rope_attention_launches(int qtype, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                                   int64_t head_dim) {
-  Limits lim;
-  TM_TRY(get_limits(&lim));
-  return qkv_folds_attention(lim, qtype, n_tokens, n_heads, n_kv_heads, head_dim) ? 1 : 2;
 }

@@ -217,26 +217,6 @@ TM_API int tm_attention(tm_device device, const float* q, const float* k_cache, 
                         const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
                         int64_t head_dim, int64_t max_ctx, int32_t* scratch, uint8_t* out_groups, void* stream);
 
-/* tm_qkv_rope followed by tm_attention(q, k_cache, v_cache, out, pos, ..., scratch, out_groups), bitwise (every
- * output of both: q, the cache rows, out and out_groups). CUDA runs a decode step (n_tokens = 1) of TM_Q8_0_TILED
- * weights with head_dim 128 and n_heads a multiple of n_kv_heads as ONE launch: the last block of a kv head's q, k
- * and v products runs that kv head's attention (16-byte aligned q and caches, as torch makes them); otherwise the
- * two launches. tm_qkv_rope_attention_launches says which. scratch: tm_attention's (it also holds the folded
- * launch's counters, back at zero after every call). */
-TM_API int tm_qkv_rope_attention(tm_device device, int qtype, const float* x, const float* xw, const float* xss,
-                                 const float* norm_w, float eps, const void* w_q, const void* w_k, const void* w_v,
-                                 const float* b_q, const float* b_k, const float* b_v, float* q, float* k_cache,
-                                 float* v_cache, const int32_t* pos, int64_t n_tokens, int64_t hidden,
-                                 int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                                 float freq_base, int neox, const uint8_t* xw_groups, float* out, int32_t* scratch,
-                                 uint8_t* out_groups, void* stream);
-
-/* Kernel launches tm_qkv_rope_attention makes for these shapes on the current device of `device` (1: the folded
- * launch; 2: the two launches), its buffers being 16-byte aligned as torch makes them; the CPU's one call counts 1.
- * Negative: an error (tm_last_error). */
-TM_API int tm_qkv_rope_attention_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_heads,
-                                          int64_t n_kv_heads, int64_t head_dim);
-
 /* Router: logits[e] = dot(w_router[e, :], h[t, :]) (w_router float32 [E, hidden]); p = softmax over all E
  * (float32, max-subtracted); top_k largest p, ties to the lowest expert id, in descending order of p.
  * ids [T, top_k] int32, weights [T, top_k] float32 = p of the selected experts, divided by their sum when

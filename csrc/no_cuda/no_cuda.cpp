@@ -71,15 +71,6 @@ int tm_cuda_router_experts_ffn(float*, const float*, float, float*, const float*
 int tm_cuda_router_experts_ffn_launches(int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
   return no_cuda("tm_router_experts_ffn_launches");
 }
-int tm_cuda_qkv_rope_attention(int, const float*, const float*, const float*, const float*, float, const void*,
-                               const void*, const void*, const float*, const float*, const float*, float*, float*,
-                               float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int,
-                               const uint8_t*, float*, int32_t*, uint8_t*, void*) {
-  return TM_NOT_APPLICABLE;  // the two calls, which report the missing CUDA
-}
-int tm_cuda_qkv_rope_attention_launches(int, int64_t, int64_t, int64_t, int64_t) {
-  return no_cuda("tm_qkv_rope_attention_launches");
-}
 int tm_cuda_experts_down_accumulate(int, const void*, const float*, const float*, const float*, int64_t, const void*,
                                     const float*, const int32_t*, const float*, const float*, float*, const float*,
                                     float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*,

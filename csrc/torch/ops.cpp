@@ -182,40 +182,6 @@ void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                             max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, as_stream(stream)));
 }
 
-// qkv_rope's pointers, checked (shared by qkv_rope and qkv_rope_attention).
-struct QkvPtrs {
-  const float *x, *xw, *xss, *norm_w;
-  const void *w_q, *w_k, *w_v;
-  const float *b_q, *b_k, *b_v;
-  float *q, *k_cache, *v_cache;
-  const int32_t* pos;
-  const uint8_t* xw_groups;
-};
-QkvPtrs qkv_ptrs(Args& a, int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTensor& xss,
-                 const Tensor& norm_w, const Tensor& w_q, const Tensor& w_k, const Tensor& w_v, const OptTensor& b_q,
-                 const OptTensor& b_k, const OptTensor& b_v, const Tensor& q, const Tensor& k_cache,
-                 const Tensor& v_cache, const Tensor& pos, int64_t n_tokens, int64_t hidden, int64_t n_heads,
-                 int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, const OptTensor& xw_groups) {
-  const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
-  QkvPtrs p{};
-  p.x = a.data<const float>(x, "x", kF32, n_tokens * hidden);
-  p.xw = a.optional<const float>(xw, "xw", kF32, n_tokens * hidden);
-  p.xss = a.optional<const float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
-  p.norm_w = a.data<const float>(norm_w, "norm_w", kF32, hidden);
-  p.w_q = a.weights(w_q, "w_q", qtype, q_rows * row_bytes(qtype, hidden));
-  p.w_k = a.weights(w_k, "w_k", qtype, kv_rows * row_bytes(qtype, hidden));
-  p.w_v = a.weights(w_v, "w_v", qtype, kv_rows * row_bytes(qtype, hidden));
-  p.b_q = a.optional<const float>(b_q, "b_q", kF32, q_rows);
-  p.b_k = a.optional<const float>(b_k, "b_k", kF32, kv_rows);
-  p.b_v = a.optional<const float>(b_v, "b_v", kF32, kv_rows);
-  p.q = a.data<float>(q, "q", kF32, n_tokens * q_rows);
-  p.k_cache = a.data<float>(k_cache, "k_cache", kF32, max_ctx * kv_rows);
-  p.v_cache = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
-  p.pos = a.data<const int32_t>(pos, "pos", kI32, 1);
-  p.xw_groups = a.optional<const uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
-  return p;
-}
-
 void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTensor& xss, const Tensor& norm_w, double eps,
               const Tensor& w_q,
               const Tensor& w_k, const Tensor& w_v, const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
@@ -223,28 +189,26 @@ void qkv_rope(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTens
               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx, double freq_base, bool neox,
               const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.qkv_rope");
-  const QkvPtrs p = qkv_ptrs(a, qtype, x, xw, xss, norm_w, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                             n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, xw_groups);
+  const int64_t q_rows = n_heads * head_dim, kv_rows = n_kv_heads * head_dim;
+  const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * hidden);
+  const float* xw_p = a.optional<const float>(xw, "xw", kF32, n_tokens * hidden);
+  const float* xss_p = a.optional<const float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden));
+  const float* nw_p = a.data<const float>(norm_w, "norm_w", kF32, hidden);
+  const void* wq_p = a.weights(w_q, "w_q", qtype, q_rows * row_bytes(qtype, hidden));
+  const void* wk_p = a.weights(w_k, "w_k", qtype, kv_rows * row_bytes(qtype, hidden));
+  const void* wv_p = a.weights(w_v, "w_v", qtype, kv_rows * row_bytes(qtype, hidden));
+  const float* bq_p = a.optional<const float>(b_q, "b_q", kF32, q_rows);
+  const float* bk_p = a.optional<const float>(b_k, "b_k", kF32, kv_rows);
+  const float* bv_p = a.optional<const float>(b_v, "b_v", kF32, kv_rows);
+  float* q_p = a.data<float>(q, "q", kF32, n_tokens * q_rows);
+  float* kc_p = a.data<float>(k_cache, "k_cache", kF32, max_ctx * kv_rows);
+  float* vc_p = a.data<float>(v_cache, "v_cache", kF32, max_ctx * kv_rows);
+  const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
+  const uint8_t* xwg_p = a.optional<const uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden));
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), p.x, p.xw, p.xss, p.norm_w, static_cast<float>(eps), p.w_q,
-                      p.w_k, p.w_v, p.b_q, p.b_k, p.b_v, p.q, p.k_cache, p.v_cache, p.pos, n_tokens, hidden, n_heads,
-                      n_kv_heads, head_dim, max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, p.xw_groups,
-                      as_stream(stream)));
-}
-
-// attention's own pointers, checked (shared by attention and qkv_rope_attention).
-struct AttentionPtrs {
-  float* out;
-  int32_t* scratch;
-  uint8_t* out_groups;
-};
-AttentionPtrs attention_ptrs(Args& a, const Tensor& out, const Tensor& scratch, const OptTensor& out_groups,
-                             int64_t n_tokens, int64_t n_heads, int64_t head_dim) {
-  AttentionPtrs p{};
-  p.out = a.data<float>(out, "out", kF32, n_tokens * n_heads * head_dim);
-  p.scratch = a.data<int32_t>(scratch, "scratch", kI32, tm_attention_scratch_words(n_tokens, n_heads, head_dim));
-  p.out_groups = a.optional<uint8_t>(out_groups, "out_groups", kU8, n_tokens * tm_act_groups_bytes(n_heads * head_dim));
-  return p;
+  a.check(tm_qkv_rope(a.device(), static_cast<int>(qtype), x_p, xw_p, xss_p, nw_p, static_cast<float>(eps), wq_p, wk_p, wv_p,
+                      bq_p, bk_p, bv_p, q_p, kc_p, vc_p, pos_p, n_tokens, hidden, n_heads, n_kv_heads, head_dim,
+                      max_ctx, static_cast<float>(freq_base), neox ? 1 : 0, xwg_p, as_stream(stream)));
 }
 
 void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out, const Tensor& pos,
@@ -254,38 +218,14 @@ void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, co
   const float* q_p = a.data<const float>(q, "q", kF32, n_tokens * n_heads * head_dim);
   const float* kc_p = a.data<const float>(k_cache, "k_cache", kF32, max_ctx * n_kv_heads * head_dim);
   const float* vc_p = a.data<const float>(v_cache, "v_cache", kF32, max_ctx * n_kv_heads * head_dim);
+  float* out_p = a.data<float>(out, "out", kF32, n_tokens * n_heads * head_dim);
   const int32_t* pos_p = a.data<const int32_t>(pos, "pos", kI32, 1);
-  const AttentionPtrs p = attention_ptrs(a, out, scratch, out_groups, n_tokens, n_heads, head_dim);
   c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_attention(a.device(), q_p, kc_p, vc_p, p.out, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx,
-                       p.scratch, p.out_groups, as_stream(stream)));
-}
-
-void qkv_rope_attention(int64_t qtype, const Tensor& x, const OptTensor& xw, const OptTensor& xss,
-                        const Tensor& norm_w, double eps, const Tensor& w_q, const Tensor& w_k, const Tensor& w_v,
-                        const OptTensor& b_q, const OptTensor& b_k, const OptTensor& b_v, const Tensor& q,
-                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& pos, int64_t n_tokens,
-                        int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t max_ctx,
-                        double freq_base, bool neox, const OptTensor& xw_groups, const Tensor& out,
-                        const Tensor& scratch, const OptTensor& out_groups, int64_t stream) {
-  Args a("tornado_moe.qkv_rope_attention");
-  const QkvPtrs p = qkv_ptrs(a, qtype, x, xw, xss, norm_w, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache, v_cache, pos,
-                             n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx, xw_groups);
-  const AttentionPtrs o = attention_ptrs(a, out, scratch, out_groups, n_tokens, n_heads, head_dim);
-  c10::DeviceGuard guard(a.torch_device());
-  a.check(tm_qkv_rope_attention(a.device(), static_cast<int>(qtype), p.x, p.xw, p.xss, p.norm_w,
-                                static_cast<float>(eps), p.w_q, p.w_k, p.w_v, p.b_q, p.b_k, p.b_v, p.q, p.k_cache,
-                                p.v_cache, p.pos, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx,
-                                static_cast<float>(freq_base), neox ? 1 : 0, p.xw_groups, o.out, o.scratch,
-                                o.out_groups, as_stream(stream)));
-}
-
-int64_t qkv_rope_attention_launches(bool cuda, int64_t qtype, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,
-                                    int64_t head_dim) {
-  const int n = tm_qkv_rope_attention_launches(cuda ? TM_DEVICE_CUDA : TM_DEVICE_CPU, static_cast<int>(qtype),
-                                               n_tokens, n_heads, n_kv_heads, head_dim);
-  TORCH_CHECK(n > 0, "tornado_moe.qkv_rope_attention_launches: ", tm_last_error(), " (status ", num(n), ")");
-  return n;
+  int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_attention_scratch_words(n_tokens, n_heads, head_dim));
+  uint8_t* og_p =
+      a.optional<uint8_t>(out_groups, "out_groups", kU8, n_tokens * tm_act_groups_bytes(n_heads * head_dim));
+  a.check(tm_attention(a.device(), q_p, kc_p, vc_p, out_p, pos_p, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, sc_p,
+                       og_p, as_stream(stream)));
 }
 
 void router_topk(const Tensor& w_router, const Tensor& h, const Tensor& ids, const Tensor& weights, int64_t n_tokens,
@@ -581,11 +521,6 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor pos, int n_tokens, "
         "int n_heads, int n_kv_heads, int head_dim, int max_ctx, Tensor(b!) scratch, Tensor(c!)? out_groups, "
         "int stream) -> ()");
-  m.def("qkv_rope_attention(int qtype, Tensor x, Tensor? xw, Tensor? xss, Tensor norm_w, float eps, Tensor w_q, "
-        "Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v, Tensor(a!) q, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor pos, int n_tokens, int hidden, int n_heads, int n_kv_heads, int head_dim, "
-        "int max_ctx, float freq_base, bool neox, Tensor? xw_groups, Tensor(d!) out, Tensor(e!) scratch, "
-        "Tensor(f!)? out_groups, int stream) -> ()");
   m.def("router_topk(Tensor w_router, Tensor h, Tensor(a!) ids, Tensor(b!) weights, int n_tokens, int n_experts, "
         "int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
@@ -629,9 +564,6 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("act_groups_bytes(int n) -> int", &act_groups_bytes);
   m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
   m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_experts_ffn_scratch_words);
-  m.def("qkv_rope_attention_launches(bool cuda, int qtype, int n_tokens, int n_heads, int n_kv_heads, "
-        "int head_dim) -> int",
-        &qkv_rope_attention_launches);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
         "int ffn_sh, int ffn) -> int",
         &router_experts_ffn_launches);
@@ -646,7 +578,6 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("rope_kv_append", &rope_kv_append);               \
   m.impl("qkv_rope", &qkv_rope);                           \
   m.impl("attention", &attention);                         \
-  m.impl("qkv_rope_attention", &qkv_rope_attention);       \
   m.impl("router_topk", &router_topk);                     \
   m.impl("rmsnorm_router_topk", &rmsnorm_router_topk);     \
   m.impl("moe_gate_up", &moe_gate_up);                     \

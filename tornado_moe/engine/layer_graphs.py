@@ -1,7 +1,6 @@
 """Builds one task graph per transformer layer, plus the embedding and logits graphs.
 
-A layer is as few launches as the contract allows (qwen2moe, fused: 5, and 4 for a decode step of tiled Q8_0
-rows on a GPU, whose ``attn_qkv_attention`` runs attention inside the qkv launch):
+A layer is as few launches as the contract allows (qwen2moe, fused: 5):
 - ``attn_qkv``: RMSNorm, the q/k/v products with bias, RoPE and the KV-cache append in one kernel (bitwise
   the five unfused kernels; used when q, k and v share a weight format, else those five tasks; qwen3moe's
   per-head norms of q and k, and olmoe's norms of all of q and of k, are two more tasks between the products
@@ -9,9 +8,7 @@ rows on a GPU, whose ``attn_qkv_attention`` runs attention inside the qkv launch
   deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
   xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
   each warp evaluates inv alone after them;
-- ``attention`` (with fused experts, folded into ``attn_qkv_attention`` where ``qkv_rope_attention_launches``
-  says one launch: the last block of a kv head's q, k and v rows runs that head's attention, bitwise the
-  attention launch, which the per-slot graphs keep), ``attn_output`` (+ residual);
+- ``attention``, ``attn_output`` (+ residual);
 - ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
   launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
@@ -101,16 +98,6 @@ def _qkv_fused(dm: DeviceModel, i: int) -> bool:
             and _w(L, "attn_q").qtype == _w(L, "attn_k").qtype == _w(L, "attn_v").qtype)
 
 
-def _attention_folded(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
-    """Whether layer i's attention runs inside its qkv_rope launch (qkv_rope_attention as one launch): a
-    fusion, so only where the experts are fused too; the per-slot graphs keep the two launches, which the
-    determinism check then compares it with."""
-    cfg = dm.config
-    return (fuse_experts and _qkv_fused(dm, i)
-            and tm_ops.qkv_rope_attention_launches(dm.device, _w(dm.layers[i], "attn_q").qtype, n_tokens,
-                                                   cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == 1)
-
-
 def _ffn_in_one_launch(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
     """Whether layer i's FFN half is the library's one-launch router_experts_ffn (module docstring)."""
     cfg, L = dm.config, dm.layers[i]
@@ -158,23 +145,14 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     g = TaskGraph(f"layer{i}")
     wq, wk, wv = _w(L, "attn_q"), _w(L, "attn_k"), _w(L, "attn_v")
     heads = (cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, cfg.rope_theta, cfg.neox_rope)
-    wo = _w(L, "attn_output")
-    # attention's int8 groups, for the output projection when its rows read them
-    attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
-    attention_io = (act.attn, act.attn_scratch, attn_groups)
-    folded = _attention_folded(dm, i, T, fuse_experts)
     if _qkv_fused(dm, i):
         # xw and xss: x's factors as the previous layer's down wrote them, when it did (else computed here)
         given = i > 0 and _writes_next_xw(dm, i - 1, T, fuse_experts)
         xw, xss = (act.xw, act.xss) if given else (None, None)
         xw_groups = act.xw_groups if given and _takes_groups(wq) else None
-        qkv_args = (wq.qtype, act.x, xw, xss, _f32(L, "attn_norm"), cfg.rms_eps, wq.data, wk.data, wv.data,
-                    _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"), act.q,
-                    act.k_cache[i], act.v_cache[i], act.position, T, H, *heads, xw_groups)
-        if folded:
-            g.task("attn_qkv_attention", "qkv_rope_attention", *qkv_args, *attention_io)
-        else:
-            g.task("attn_qkv", "qkv_rope", *qkv_args)
+        g.task("attn_qkv", "qkv_rope", wq.qtype, act.x, xw, xss, _f32(L, "attn_norm"), cfg.rms_eps, wq.data,
+               wk.data, wv.data, _f32(L, "attn_q_bias"), _f32(L, "attn_k_bias"), _f32(L, "attn_v_bias"),
+               act.q, act.k_cache[i], act.v_cache[i], act.position, T, H, *heads, xw_groups)
     else:  # the five tasks qkv_rope stands for: the deferred norm's factors, the products scaled by inv, rope
         g.task("attn_norm", "rmsnorm_factors", act.x, _f32(L, "attn_norm"), act.h, None, act.norm_inv, T, H,
                cfg.rms_eps)
@@ -189,9 +167,11 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
                        T * n * hd // width, width, cfg.rms_eps)
         g.task("rope_kv_append", "rope_kv_append", act.q, act.k, act.v, act.k_cache[i], act.v_cache[i],
                act.position, T, *heads)
-    if not folded:
-        g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
-               cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
+    wo = _w(L, "attn_output")
+    # attention's int8 groups, for the output projection when its rows read them
+    attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
+    g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
+           cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
            None, attn_groups)
 

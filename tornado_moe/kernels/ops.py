@@ -38,8 +38,6 @@ __all__ = [
     "native_version",
     "norm_groups",
     "qkv_rope",
-    "qkv_rope_attention",
-    "qkv_rope_attention_launches",
     "rmsnorm",
     "rmsnorm_factors",
     "rmsnorm_router_topk",
@@ -72,10 +70,6 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
                  "max_ctx", "freq_base", "neox", "xw_groups"),
     "attention": ("q", "k_cache", "v_cache", "out", "pos", "n_tokens", "n_heads", "n_kv_heads", "head_dim",
                   "max_ctx", "scratch", "out_groups"),
-    "qkv_rope_attention": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k",
-                           "b_v", "q", "k_cache", "v_cache", "pos", "n_tokens", "hidden", "n_heads",
-                           "n_kv_heads", "head_dim", "max_ctx", "freq_base", "neox", "xw_groups", "out",
-                           "scratch", "out_groups"),
     "router_topk": ("w_router", "h", "ids", "weights", "n_tokens", "n_experts", "hidden", "top_k",
                     "normalize"),
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
@@ -265,53 +259,6 @@ def attention(
     projection."""
     _ops().attention(q, k_cache, v_cache, out, pos, n_tokens, n_heads, n_kv_heads, head_dim, max_ctx, scratch,
                      out_groups, stream_of(out))
-
-
-def qkv_rope_attention(
-    qtype: int,
-    x: torch.Tensor,
-    xw: torch.Tensor | None,
-    xss: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    eps: float,
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    b_q: torch.Tensor | None,
-    b_k: torch.Tensor | None,
-    b_v: torch.Tensor | None,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    n_tokens: int,
-    hidden: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    max_ctx: int,
-    freq_base: float,
-    neox: bool,
-    xw_groups: torch.Tensor | None,
-    out: torch.Tensor,
-    scratch: torch.Tensor,
-    out_groups: torch.Tensor | None = None,
-) -> None:
-    """qkv_rope then attention (``out``, ``scratch``, ``out_groups`` as attention's), bitwise. A decode
-    step (``n_tokens == 1``) of tiled Q8_0 rows with 128-value heads is ONE launch on the GPU: the last block
-    of a kv head's q, k and v products runs that head's attention, which saves the attention launch and its
-    wait (``qkv_rope_attention_launches`` says whether the shapes allow it); otherwise the two launches."""
-    _ops().qkv_rope_attention(qtype, x, xw, xss, norm_w, eps, w_q, w_k, w_v, b_q, b_k, b_v, q, k_cache,
-                              v_cache, pos, n_tokens, hidden, n_heads, n_kv_heads, head_dim, max_ctx,
-                              freq_base, neox, xw_groups, out, scratch, out_groups, stream_of(q))
-
-
-def qkv_rope_attention_launches(device: torch.device | str, qtype: int, n_tokens: int, n_heads: int,
-                                n_kv_heads: int, head_dim: int) -> int:
-    """Kernel launches qkv_rope_attention makes for these shapes on ``device``'s current GPU: 1 (folded) or 2;
-    1 on the CPU (one call)."""
-    cuda = torch.device(device).type == "cuda"
-    return int(_ops().qkv_rope_attention_launches(cuda, qtype, n_tokens, n_heads, n_kv_heads, head_dim))
 
 
 def attention_scratch_words(n_tokens: int, n_heads: int, head_dim: int) -> int:

@@ -103,21 +103,6 @@ def _experts_down_bytes(T: int, a: dict) -> TaskBytes:
                      sh.activations + rt.activations - 2 * F32 * T * a["hidden"] + xw)
 
 
-def _qkv_rope_bytes(T: int, a: dict) -> TaskBytes:
-    q = F32 * T * a["n_heads"] * a["head_dim"]
-    kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
-    w = sum(_nbytes(a[n]) for n in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "norm_w"))
-    # x read, or xw and the partial sums when given
-    x = F32 * T * (a["hidden"] + (norm_groups(a["hidden"]) if a["xw"] is not None else 0))
-    return TaskBytes(w, x + q + 2 * kv + I32)  # q, k and v cache rows written
-
-
-def _attention_bytes(T: int, a: dict, context: float) -> TaskBytes:
-    q = F32 * T * a["n_heads"] * a["head_dim"]
-    cache = 2 * F32 * T * (context + (T - 1) / 2) * a["n_kv_heads"] * a["head_dim"]
-    return TaskBytes(0, 2 * q + cache + I32)
-
-
 def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     """Bytes of one execution of ``task``; ``context`` = KV rows attention reads (position + 1, averaged)."""
     names = KERNEL_ARGS.get(task.kernel)
@@ -142,12 +127,16 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
         return TaskBytes(0, 2 * q + 2 * kv + 2 * kv + I32)  # q in place; k, v read; k, v cache rows written
     if k == "qkv_rope":
-        return _qkv_rope_bytes(T, a)
+        q = F32 * T * a["n_heads"] * a["head_dim"]
+        kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
+        w = sum(_nbytes(a[n]) for n in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "norm_w"))
+        # x read, or xw and the partial sums when given
+        x = F32 * T * (a["hidden"] + (norm_groups(a["hidden"]) if a["xw"] is not None else 0))
+        return TaskBytes(w, x + q + 2 * kv + I32)  # q, k and v cache rows written
     if k == "attention":
-        return _attention_bytes(T, a, context)
-    if k == "qkv_rope_attention":  # the two tasks it stands for
-        qkv, att = _qkv_rope_bytes(T, a), _attention_bytes(T, a, context)
-        return TaskBytes(qkv.weights, qkv.activations + att.activations)
+        q = F32 * T * a["n_heads"] * a["head_dim"]
+        cache = 2 * F32 * T * (context + (T - 1) / 2) * a["n_kv_heads"] * a["head_dim"]
+        return TaskBytes(0, 2 * q + cache + I32)
     if k == "router_topk":
         return TaskBytes(_nbytes(a["w_router"]), F32 * T * a["hidden"] + (F32 + I32) * T * a["top_k"])
     if k == "rmsnorm_router_topk":

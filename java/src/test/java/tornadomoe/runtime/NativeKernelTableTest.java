@@ -39,8 +39,6 @@ public class NativeKernelTableTest {
                                                        // neox, xw_groups?
         m.put("attention", "pppppiiiiipn");     // q k_cache v_cache out pos, T heads kv hd ctx, scratch,
                                                 // out_groups?
-        m.put("qkv_rope_attention", "qpnnpfpppnnnppppiiiiiifbnppn"); // qkv_rope's, then attention's out
-                                                                      // scratch out_groups?
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
         m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
