@@ -58,7 +58,7 @@ __device__ __forceinline__ void down_row_pair(const DownArgs& a, int64_t t, int6
 //   grouping (qdot.cuh: a row's result does not depend on how many rows a warp reads at once).
 constexpr int kSplitRows = kRowsPerBlock / 2;
 static_assert(kSplitRows == kNormGroup, "a down block's rows are one group of the deferred norm's grouped sum");
-// 4 blocks an SM on tiled rows: 5 spill and measured slower (results/NOTES.md lesson 148).
+// 4 blocks an SM on tiled rows: at 5 ptxas spills 32 bytes (results/NOTES.md lesson 144; not measured).
 constexpr int down_min_blocks(Fmt s, Fmt r) {
   return fmt_tiled(s) && fmt_tiled(r) ? 4 : TM_WEIGHT_MIN_BLOCKS;
 }

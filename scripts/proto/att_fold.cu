@@ -3,6 +3,8 @@
 // on the H100 and the H200 alike), although at the bench's contexts its work is one block's per head. Folded, the
 // last of a head's 24 qkv blocks to finish (q, k and v: 8 blocks each) would run that head's attention: a fence
 // and an integer atomic at the end of every qkv block instead of a launch boundary.
+// (Never run: the fold was built in the product instead and measured 10-12% slower on an H100, results/NOTES.md
+// lesson 154; kept as the pattern for pricing a per-block fence before a fold, lesson 157.)
 //
 // Each phase here has the product's shape with pure reads (proto.cuh's 16-byte streaming loads and checksum):
 //   qkv       : 384 blocks of 256 threads, each reading its own contiguous 34.8 KB (a block's 16 Q8_0 rows of
