@@ -2,7 +2,7 @@
  * sampling.cu - tm_argmax and tm_sample on CUDA.
  *
  * argmax: one cluster of 8 blocks of 1024 threads per token; block r, thread i scans ids r * 1024 + i, + 8192,
- *   ...; the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
+ *   ... (or, rows of a multiple of 4 ids at a 16-byte boundary, the 16-byte quads of ids at those indices); the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
  *   (value, id) under "larger value, then lower id" with NaN never winning (an all-NaN row gives 0, as the CPU
  *   kernel). The order of a maximum does not matter: the result is exact.
  * sample: one thread-block cluster of 8 blocks x 512 threads; block b owns the contiguous ids
@@ -40,6 +40,12 @@ namespace {
 // ---- argmax -----------------------------------------------------------------------------------------------
 
 constexpr int kArgThreads = 1024;
+// Rows of a multiple of 4 ids at a 16-byte boundary are read 16 bytes a load (1; 0: one float a load, a
+// measurement knob: the result is the same either way).
+#ifndef TM_ARGMAX_QUADS
+#define TM_ARGMAX_QUADS 1
+#endif
+constexpr int kArgBatch = 8;  // quad loads a thread has in flight
 constexpr int kArgCluster = 8;
 
 __device__ __forceinline__ bool arg_better(float va, int ia, float vb, int ib) {
@@ -68,9 +74,32 @@ __global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThread
   const float* row = logits + t * vocab;
   float bv = -INFINITY;
   int bi = INT_MAX;
-  for (int64_t i = static_cast<int64_t>(rank) * kArgThreads + threadIdx.x; i < vocab;
-       i += static_cast<int64_t>(kArgCluster) * kArgThreads)
-    arg_merge(row[i], static_cast<int>(i), bv, bi);
+  constexpr int64_t kStride = static_cast<int64_t>(kArgCluster) * kArgThreads;
+  const int64_t first = static_cast<int64_t>(rank) * kArgThreads + threadIdx.x;
+  if (TM_ARGMAX_QUADS && vocab % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+    // 16-byte loads, ids 4 q .. 4 q + 3 a load, kArgBatch loads issued before the first merge: a 152k vocabulary
+    // is one L2 round trip a thread (the scalar loop, unrolled by 16, took two).
+    const float4* quads = reinterpret_cast<const float4*>(row);
+    const int64_t n_quads = vocab / 4;
+    for (int64_t q0 = first; q0 < n_quads; q0 += kArgBatch * kStride) {
+      float4 v[kArgBatch];
+#pragma unroll
+      for (int k = 0; k < kArgBatch; ++k)
+        if (q0 + k * kStride < n_quads) v[k] = __ldcg(quads + q0 + k * kStride);  // the head's output: around L1
+#pragma unroll
+      for (int k = 0; k < kArgBatch; ++k) {
+        const int64_t q = q0 + k * kStride;
+        if (q >= n_quads) break;
+        const int i = static_cast<int>(4 * q);
+        arg_merge(v[k].x, i, bv, bi);
+        arg_merge(v[k].y, i + 1, bv, bi);
+        arg_merge(v[k].z, i + 2, bv, bi);
+        arg_merge(v[k].w, i + 3, bv, bi);
+      }
+    }
+  } else {
+    for (int64_t i = first; i < vocab; i += kStride) arg_merge(row[i], static_cast<int>(i), bv, bi);
+  }
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1)
     arg_merge(__shfl_xor_sync(kFullMask, bv, m), __shfl_xor_sync(kFullMask, bi, m), bv, bi);
