@@ -687,18 +687,19 @@ def test_argmax_ties_and_nan(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_argmax_long_rows_ties_across_the_scan(device: str) -> None:
+@pytest.mark.parametrize("vocab", [151_936, 151_937])  # CUDA reads the first 4 ids a load, the second 1
+def test_argmax_long_rows_ties_across_the_scan(device: str, vocab: int) -> None:
     """Vocabulary-sized rows, long enough for a kernel to split them over several blocks: a tie between ids
-    far apart (scanned by different blocks when split by 1024-id stretches) still goes to the lower id, a
-    maximum at the last id is found, and an all-NaN row gives 0."""
-    vocab = 151_936
-    logits = torch.randn(3, vocab)
+    far apart (scanned by different blocks when split by 1024-id stretches) still goes to the lower id, as
+    does one inside a 4-id load, a maximum at the last id is found, and an all-NaN row gives 0."""
+    logits = torch.randn(4, vocab)
     logits[0, 9000] = logits[0, 1500] = 7.0  # 1024-id stretches 8 and 1: the lower id, 1500, wins
     logits[1, vocab - 1] = 8.0
     logits[2] = NAN
-    out = torch.full((3,), -1, dtype=torch.int32, device=device)
-    K.argmax(logits.to(device), out, 3, vocab)
-    assert out.cpu().tolist() == [1500, vocab - 1, 0]
+    logits[3, 4003] = logits[3, 4001] = 6.0  # one 16-byte load: the lower id, 4001, wins
+    out = torch.full((4,), -1, dtype=torch.int32, device=device)
+    K.argmax(logits.to(device), out, 4, vocab)
+    assert out.cpu().tolist() == [1500, vocab - 1, 0, 4001]
 
 
 def run_sample(

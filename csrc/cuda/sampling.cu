@@ -40,12 +40,7 @@ namespace {
 // ---- argmax -----------------------------------------------------------------------------------------------
 
 constexpr int kArgThreads = 1024;
-// Rows of a multiple of 4 ids at a 16-byte boundary are read 16 bytes a load (1; 0: one float a load, a
-// measurement knob: the result is the same either way).
-#ifndef TM_ARGMAX_QUADS
-#define TM_ARGMAX_QUADS 1
-#endif
-constexpr int kArgBatch = 8;  // quad loads a thread has in flight
+constexpr int kArgBatch = 8;  // 16-byte loads a thread has in flight (rows of a multiple of 4 ids)
 constexpr int kArgCluster = 8;
 
 __device__ __forceinline__ bool arg_better(float va, int ia, float vb, int ib) {
@@ -76,7 +71,7 @@ __global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThread
   int bi = INT_MAX;
   constexpr int64_t kStride = static_cast<int64_t>(kArgCluster) * kArgThreads;
   const int64_t first = static_cast<int64_t>(rank) * kArgThreads + threadIdx.x;
-  if (TM_ARGMAX_QUADS && vocab % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+  if (vocab % 4 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
     // 16-byte loads, ids 4 q .. 4 q + 3 a load, kArgBatch loads issued before the first merge: a 152k vocabulary
     // is one L2 round trip a thread (the scalar loop, unrolled by 16, took two).
     const float4* quads = reinterpret_cast<const float4*>(row);
