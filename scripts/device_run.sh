@@ -12,7 +12,8 @@
 # (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this
 # tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this tree,
-# e.g. `git archive <branch> | tar -x -C .tune-<name>`; with empty flags, e.g. TUNING="main:" and main's tree in
+# e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name> <commit>`:
+# that commit's files that differ from this tree's, laid over a copy of this tree; with empty flags, e.g. TUNING="main:" and main's tree in
 # .tune-main, the baseline's bench and chain profile on the same machine as this tree's), KB_ARGS (TUNING_KB_ARGS,
 # BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it),
 # TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU
@@ -83,10 +84,17 @@ tune_run() {  # tuning build name, seconds, command...: run in that build's tree
 if want tuning; then
   for t in "${TUNES[@]}"; do
     name=${t%%:*}; flags=${t#*:}; dir=/tmp/tune-$name; src=.; [ -d ".tune-$name" ] && src=.tune-$name
-    if [ "$src" = . ]; then TUNE_COMMIT[$name]=${TORNADO_MOE_GIT_COMMIT:-unknown}+$name
-    else TUNE_COMMIT[$name]=$(tr -d '[:space:]' < "$src/.device_commit" 2>/dev/null); : "${TUNE_COMMIT[$name]:=tune-$name}"; fi
     rm -rf "$dir"; mkdir -p "$dir"
     tar -c -C "$src" --exclude=./build --exclude='./.baseline*' --exclude='./.tune-*' --exclude=./.whl . | tar -x -C "$dir"
+    # or this tree with another commit's changed files over it (scripts/tune_tar.sh: .tune-src/<name>.tar, and
+    # .tune-src/<name>.deleted for the files that commit lacks), which carries far less than a whole tree
+    if [ "$src" = . ] && [ -f ".tune-src/$name.tar" ]; then
+      rm -f "$dir/.device_commit"; tar -x -C "$dir" -f ".tune-src/$name.tar"
+      [ -f ".tune-src/$name.deleted" ] && (cd "$dir" && xargs -r rm -f < "$ROOT/.tune-src/$name.deleted")
+      src=$dir
+    fi
+    if [ "$src" = . ]; then TUNE_COMMIT[$name]=${TORNADO_MOE_GIT_COMMIT:-unknown}+$name
+    else TUNE_COMMIT[$name]=$(tr -d '[:space:]' < "$src/.device_commit" 2>/dev/null); : "${TUNE_COMMIT[$name]:=tune-$name}"; fi
     (renice -n 10 "$BASHPID" > /dev/null; configure "$dir" "$dir/build" "$OUT/build_$name.log" "$flags") &
     TUNE_PIDS+=($!)
   done
