@@ -12,9 +12,10 @@
 # (default: every stage), BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this
 # tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this tree,
-# e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name> <commit>`:
-# that commit's files that differ from this tree's, laid over a copy of this tree; with empty flags, e.g. TUNING="main:" and main's tree in
-# .tune-main, the baseline's bench and chain profile on the same machine as this tree's), KB_ARGS (TUNING_KB_ARGS,
+# e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name>
+# <commit>`: that commit's files that differ from this tree's, laid over a copy of this tree; with empty flags,
+# e.g. TUNING="main:" and main's tree in .tune-main, the baseline's bench and chain profile on the same machine as
+# this tree's), KB_ARGS (TUNING_KB_ARGS,
 # BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it),
 # TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU
 # tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,

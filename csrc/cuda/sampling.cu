@@ -2,7 +2,8 @@
  * sampling.cu - tm_argmax and tm_sample on CUDA.
  *
  * argmax: one cluster of 8 blocks of 1024 threads per token; block r, thread i scans ids r * 1024 + i, + 8192,
- *   ... (or, rows of a multiple of 4 ids at a 16-byte boundary, the 16-byte quads of ids at those indices); the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
+ *   ... (rows of a multiple of 4 ids at a 16-byte boundary: the 4-id quads at those indices, one 16-byte load
+ *   each); the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
  *   (value, id) under "larger value, then lower id" with NaN never winning (an all-NaN row gives 0, as the CPU
  *   kernel). The order of a maximum does not matter: the result is exact.
  * sample: one thread-block cluster of 8 blocks x 512 threads; block b owns the contiguous ids
