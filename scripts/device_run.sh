@@ -15,8 +15,8 @@
 # e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name>
 # <commit>`: that commit's files that differ from this tree's, laid over a copy of this tree; with empty flags,
 # e.g. TUNING="main:" and main's tree in .tune-main, the baseline's bench and chain profile on the same machine as
-# this tree's), KB_ARGS (TUNING_KB_ARGS,
-# BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled` for a baseline that has it),
+# this tree's), KB_ARGS (TUNING_KB_ARGS, BASELINE_KB_ARGS: for those kernel_bench runs only, e.g. `--layout tiled`
+# for a baseline that has it),
 # TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU
 # tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,
 # one pytest -k expression such as `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list
