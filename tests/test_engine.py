@@ -14,7 +14,7 @@ from conftest import GPU, device_params
 
 from tornado_moe.engine import Engine, EngineOptions, SamplerConfig
 from tornado_moe.engine.buffers import Activations
-from tornado_moe.engine.layer_graphs import layer_graph
+from tornado_moe.engine.layer_graphs import layer_graph, logits_graph
 from tornado_moe.errors import DeviceError, InputError
 from tornado_moe.kernels.ops import KERNEL_ARGS
 from tornado_moe.model.gguf_model import load_model
@@ -214,6 +214,18 @@ def test_declared_launch_counts(tiny) -> None:
     prefill = layer_graph(fused.weights, two, 0, 2)
     assert [t.name for t in prefill.tasks if t.kernel in experts] == ["router_experts_gate_up",
                                                                       "experts_down_accumulate"]
+    # whose last layer's down also writes the output norm's factors (xw, x's sums of squares), so the output
+    # head computes inv from them and no norm launch comes before it; the one-launch FFN (decode here) and the
+    # per-slot tasks leave the norm's factors to output_norm, which the head then scales by
+    def logits_tasks(n_tokens: int, fuse_experts: bool) -> list[str]:
+        act = one if n_tokens == 1 else two
+        graph = logits_graph(fused.weights, act, n_tokens, SamplerConfig(), fuse_experts=fuse_experts)
+        return [t.name for t in graph.tasks]
+
+    one = Activations(cfg, torch.device("cpu"), max_tokens=1, max_context=8)
+    assert logits_tasks(2, True) == ["output", "argmax", "advance_position"]
+    with_norm = ["output_norm", "output", "argmax", "advance_position"]
+    assert logits_tasks(2, False) == logits_tasks(1, True) == with_norm
 
 
 def test_context_overflow_is_a_clear_error(tiny) -> None:

@@ -136,6 +136,39 @@ def test_rmsnorm_factors_grouped_sum_bitwise(device: str, dim: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["gguf", "tiled"])
+# (rows, tokens, dim): 2176 has no whole 16-byte chunk of sums a lane (the scalar sum); 17,000 rows give a
+# GPU's decode call two rows a warp, the output head's shape
+@pytest.mark.parametrize("rows,n_tokens,dim", [(40, 3, 2176), (40, 3, 2048), (17_000, 1, 2048)])
+def test_matmul_scale_from_sums_is_the_scale_of_the_factors(device: str, layout: str, rows: int,
+                                                             n_tokens: int, dim: int) -> None:
+    """The output head's deferred norm: matmul(xw, x_sums=xss, eps) gives the bits of matmul(xw, scale=inv),
+    inv being rmsnorm_factors' from the same x, with xw's int8 groups or without; and scale with x_sums is
+    refused."""
+    from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
+
+    rng = np.random.default_rng(23)
+    eps = 1e-6
+    x, norm_w = randn(rng, (n_tokens, dim), device, 3.0), randn(rng, (dim,), device)
+    xw, inv = poisoned((n_tokens, dim), device), poisoned((n_tokens,), device)
+    xss = poisoned((n_tokens, K.norm_groups(dim)), device)
+    K.rmsnorm_factors(x, norm_w, xw, xss, inv, n_tokens, dim, eps)
+    w = ref.make_weights(rng, (rows, dim), ref.QTYPES["Q8_0"], 0.1)[0].to(device)
+    qtype = ref.QTYPES["Q8_0"]
+    groups = None
+    if layout == "tiled":
+        w, qtype = tile_q8_0(w, dim), Q8_0_TILED
+        groups = ref.act_groups(xw).to(device)
+    y_scale, y_sums = poisoned((n_tokens, rows), device), poisoned((n_tokens, rows), device)
+    K.matmul(qtype, w, xw, None, y_scale, n_tokens, rows, dim, scale=inv, x_groups=groups)
+    K.matmul(qtype, w, xw, None, y_sums, n_tokens, rows, dim, x_groups=groups, x_sums=xss, eps=eps)
+    assert not torch.isnan(y_scale).any()
+    assert torch.equal(y_sums, y_scale)
+    with pytest.raises(RuntimeError, match="give 'scale' or 'x_sums', not both"):
+        K.matmul(qtype, w, xw, None, y_sums, n_tokens, rows, dim, scale=inv, x_sums=xss, eps=eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_qkv_rope_reads_a_position_its_predecessor_writes(device: str) -> None:
     """qkv_rope computes its rotation factors before pdl_wait from the position it finds then (a guess) and
     must compute them again when the kernel before it moves the position. Here that kernel is an argmax over a

@@ -31,7 +31,7 @@ int tm_set_error(int status, const char* fmt, ...);
                               int64_t n_tokens, int64_t dim, float eps, void* stream);                       \
   int PREFIX##matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,  \
                      int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,  \
-                     void* stream);                                                                           \
+                     const float* x_sums, float eps, void* stream);                                           \
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \

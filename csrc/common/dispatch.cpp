@@ -46,6 +46,12 @@ int check_groups(const char* fn, const char* arg, const void* p, const void* wit
   return TM_OK;
 }
 
+int check_eps(const char* fn, float eps) {
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
+  return TM_OK;
+}
+
 int check_positive(const char* fn, const char* arg, int64_t v) {
   if (v > 0) return TM_OK;
   return tm_set_error(kInvalid, "%s: argument '%s' must be > 0, got %" PRId64, fn, arg, v);
@@ -84,9 +90,7 @@ int check_rmsnorm_args(const char* fn, const char* x_name, const float* x, const
   TM_TRY(check_ptr(fn, y_name, y));
   TM_TRY(check_positive(fn, "n_tokens", n_tokens));
   TM_TRY(check_positive(fn, dim_name, dim));
-  if (!(eps >= 0.0f) || !std::isfinite(eps))
-    return tm_set_error(kInvalid, "%s: argument 'eps' must be finite and >= 0, got %g", fn, (double)eps);
-  return TM_OK;
+  return check_eps(fn, eps);
 }
 
 // q, the KV cache and the position of the attention kernels, and the sizes they share.
@@ -284,7 +288,7 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
                      int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                     const uint8_t* x_groups, void* stream) {
+                     const uint8_t* x_groups, const float* x_sums, float eps, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -296,8 +300,12 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
   TM_TRY(check_positive(fn, "cols", cols));
   TM_TRY(check_row_length(fn, "cols", qtype, cols));
   TM_TRY(check_groups(fn, "x_groups", x_groups, x, "x", "cols", cols));
+  if (x_sums != nullptr) {
+    if (scale != nullptr) return tm_set_error(kInvalid, "%s: give 'scale' or 'x_sums', not both", fn);
+    TM_TRY(check_eps(fn, eps));
+  }
   return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, x_groups,
-                    stream);
+                    x_sums, eps, stream);
 }
 
 TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,

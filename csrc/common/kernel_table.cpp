@@ -53,11 +53,11 @@ const KernelRow kKernels[] = {
                                  ptr<float>(a[3]), ptr<float>(a[4]), i64(a[5]), i64(a[6]), f32(a[7]), s);
      },
      0},
-    {"matmul", "qppnpiiibnn",
+    {"matmul", "qppnpiiibnnnf",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_matmul(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
                         ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]),
-                        ptr<const uint8_t>(a[10]), s);
+                        ptr<const uint8_t>(a[10]), ptr<const float>(a[11]), f32(a[12]), s);
      },
      0},
     {"rope_kv_append", "ppppppiiiiifb",

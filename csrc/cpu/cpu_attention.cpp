@@ -23,25 +23,17 @@ int check_positions(const char* fn, const int32_t* pos, int64_t n_tokens, int64_
   return TM_OK;
 }
 
-// The deferred form's grouped sum of squares (tornado_moe.h, tm_rmsnorm_factors: the CUDA kernels' order, so the
-// same bits): groups of 4 values, their sums into xss (when given), lane l's sum of its chunk of ceil(groups / 32)
-// consecutive groups, then the warp's butterfly over the 32 lane sums.
+// The deferred form's grouped sum of squares (cpu_math.h's grouped_sum), each group's sum also into xss (when
+// given).
 float grouped_sum_sq(const float* x, int64_t dim, float* xss) {
-  constexpr int kLanes = 32, kGroup = TM_NORM_GROUP;
-  const int64_t chunk = (tm_norm_groups(dim) + kLanes - 1) / kLanes;
-  float lanes[kLanes] = {};
-  for (int64_t g = 0; g * kGroup < dim; ++g) {
-    float ss = 0.0f;
-    for (int64_t i = g * kGroup; i < (g + 1) * kGroup && i < dim; ++i) ss = ss + x[i] * x[i];
-    if (xss != nullptr) xss[g] = ss;
-    lanes[g / chunk] = lanes[g / chunk] + ss;
-  }
-  for (int m = kLanes / 2; m >= 1; m /= 2) {
-    float next[kLanes];
-    for (int l = 0; l < kLanes; ++l) next[l] = lanes[l] + lanes[l ^ m];
-    std::copy(next, next + kLanes, lanes);
-  }
-  return lanes[0];
+  return grouped_sum(
+      [&](int64_t g) {
+        float ss = 0.0f;
+        for (int64_t i = g * TM_NORM_GROUP; i < (g + 1) * TM_NORM_GROUP && i < dim; ++i) ss = ss + x[i] * x[i];
+        if (xss != nullptr) xss[g] = ss;
+        return ss;
+      },
+      dim);
 }
 
 }  // namespace
@@ -55,7 +47,7 @@ extern "C" int tm_cpu_rmsnorm(const float* x, const float* w, float* y, int64_t 
     const float* xt = x + t * dim;
     float* yt = y + t * dim;
     const float ss = dot_f32(xt, xt, dim);
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    const float inv = rms_inv(ss, dim, eps);
     for (int64_t i = 0; i < dim; ++i) yt[i] = (xt[i] * inv) * w[i];
   }
   return TM_OK;
@@ -70,7 +62,7 @@ extern "C" int tm_cpu_rmsnorm_factors(const float* x, const float* w, float* xw,
     const float* xt = x + t * dim;
     float* ot = xw + t * dim;
     const float ss = grouped_sum_sq(xt, dim, xss != nullptr ? xss + t * groups : nullptr);
-    inv[t] = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    inv[t] = rms_inv(ss, dim, eps);
     for (int64_t i = 0; i < dim; ++i) ot[i] = xt[i] * w[i];
   }
   return TM_OK;

@@ -22,11 +22,13 @@ extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const
   std::vector<float> xs(static_cast<size_t>(n_tokens * hidden)), inv(static_cast<size_t>(n_tokens));
   std::vector<float> k(static_cast<size_t>(n_tokens * kv_rows)), v(static_cast<size_t>(n_tokens * kv_rows));
   TM_TRY(tm_cpu_rmsnorm_factors(x, norm_w, xs.data(), nullptr, inv.data(), n_tokens, hidden, eps, stream));
-  TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), nullptr, stream));
+  // scale = inv: no x_sums, no eps
+  TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), nullptr, nullptr, 0.0f,
+                       stream));
   TM_TRY(tm_cpu_matmul(qtype, w_k, xs.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
-                       stream));
+                       nullptr, 0.0f, stream));
   TM_TRY(tm_cpu_matmul(qtype, w_v, xs.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
-                       stream));
+                       nullptr, 0.0f, stream));
   return tm_cpu_rope_kv_append(q, k.data(), v.data(), k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                                max_ctx, freq_base, neox, stream);
 }

@@ -86,7 +86,15 @@ extern "C" int tm_cpu_embedding(int qtype, const void* table, const int32_t* ids
 
 extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const float* bias, float* y,
                              int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                             const uint8_t* /*x_groups: the values x rounds to here*/, void* stream) {
+                             const uint8_t* /*x_groups: the values x rounds to here*/, const float* x_sums, float eps,
+                             void* stream) {
+  std::vector<float> sums_inv;
+  if (x_sums != nullptr) {  // the inv tm_rmsnorm_factors computes from these sums
+    const int64_t groups = tm_norm_groups(cols);
+    for (int64_t t = 0; t < n_tokens; ++t)
+      sums_inv.push_back(rms_inv(grouped_sum([&](int64_t g) { return x_sums[t * groups + g]; }, cols), cols, eps));
+    scale = sums_inv.data();
+  }
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const int64_t row_bytes = tm_qtype_row_bytes(qtype, cols);
   const int64_t n_tiles = (rows + kRowTile - 1) / kRowTile;

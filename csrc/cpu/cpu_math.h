@@ -36,6 +36,26 @@ inline float shared_gate(const float* gate_inp, const float* ht, int64_t hidden)
   return sigmoid(dot_f32(gate_inp, ht, hidden));
 }
 
+// The deferred norm's grouped sum (tornado_moe.h, tm_rmsnorm_factors: the CUDA kernels' order, so the same bits):
+// group_sum(g) for the groups of TM_NORM_GROUP values, lane l's sum of its chunk of ceil(groups / 32) consecutive
+// groups, then the warp's butterfly over the 32 lane sums.
+template <class GroupSum>
+float grouped_sum(GroupSum group_sum, int64_t dim) {
+  constexpr int kLanes = 32;
+  const int64_t groups = (dim + TM_NORM_GROUP - 1) / TM_NORM_GROUP, chunk = (groups + kLanes - 1) / kLanes;
+  float lanes[kLanes] = {};
+  for (int64_t g = 0; g < groups; ++g) lanes[g / chunk] = lanes[g / chunk] + group_sum(g);
+  for (int m = kLanes / 2; m >= 1; m /= 2) {
+    float next[kLanes];
+    for (int l = 0; l < kLanes; ++l) next[l] = lanes[l] + lanes[l ^ m];
+    for (int l = 0; l < kLanes; ++l) lanes[l] = next[l];
+  }
+  return lanes[0];
+}
+
+// inv = 1 / sqrt(ss / dim + eps), the norm's factor from its sum of squares.
+inline float rms_inv(float ss, int64_t dim, float eps) { return 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps); }
+
 // Below this many multiply-adds a kernel runs on the calling thread: waking the OpenMP team costs more.
 constexpr int64_t kParallelWork = 1 << 15;
 

@@ -2,6 +2,9 @@
  * matmul.cu - tm_matmul on CUDA: y[t, r] = dot(W[r, :], x[t, :]) (* scale[t]) (+ bias[r]) (y[t, r] + that when
  * accumulating).
  *
+ * With x_sums instead of scale (x = tm_rmsnorm_factors' xw, x_sums its xss) each warp computes the token's inv
+ * from the sums itself after its dot products, as qkv_rope does (norm.cuh's deferred form; the same bits as scale =
+ * tm_rmsnorm_factors' inv), so that the output head needs no norm launch before it.
  * Launch shape: blocks of 8 warps; a warp computes 1 weight row (2 rows for decode calls with at least 64 rows
  * per SM, e.g. the output head, so that the activation loads are shared) for 1 token (n_tokens = 1) or a tile of
  * 4 tokens (so a weight row is read once per 4 tokens; the last tile repeats its last token in the unused slots
@@ -12,6 +15,7 @@
  * it are unchanged, as the output head's timing is sensitive to its code (results/NOTES.md lessons 26, 30). A (token, row) value is bitwise the same for any n_tokens and any chunking.
  * Before pdl_wait each warp prefetches its weight rows into L2 (common.cuh's protocol).
  */
+#include "norm.cuh"
 #include "qdot.cuh"
 
 namespace tm_cuda {
@@ -36,11 +40,13 @@ constexpr int matmul_min_blocks() {
 }
 
 // Q: the products read x's int8 groups xq (tiled rows) instead of rounding x (the same bits).
+// S: the products are scaled, by scale[t] or (scale null) by the inv that token t's sums x_sums give.
 template <Fmt F, int NR, int NT, bool V, bool S, bool Q>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  const float* __restrict__ scale, int64_t tile0, const uint8_t* __restrict__ xq) {
+                  const float* __restrict__ scale, int64_t tile0, const uint8_t* __restrict__ xq,
+                  const float* __restrict__ x_sums, float eps) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
   const uint8_t* wr[NR];
@@ -66,6 +72,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     else
       warp_dot<F, NR, NT, true, V>(wr, xs, nblocks, out);
   };
+  // Token t's scale; with x_sums every lane of the warp must call it (warp_sum). The sums were written before this
+  // grid started: read through L1, which the block's warps share.
+  const auto token_scale = [&](int t) -> float {
+    if (scale != nullptr) return scale[t0 + t < n_tokens ? t0 + t : n_tokens - 1];
+    const float* sums = x_sums + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * norm_groups(cols);
+    return grouped_inv_vector_ok(sums, cols) ? warp_grouped_inv_ldg(sums, cols, eps)
+                                             : warp_grouped_inv([&](int64_t g) { return __ldg(sums + g); }, cols, eps);
+  };
   if constexpr (NR == 1 && NT == 1) {
     // One row, one token (attn_output in decode): lane 0's bias and the residual it adds to are loaded before the
     // dot product (ld_ahead), so their round trip is not the kernel's last. Only this instantiation: a change to
@@ -76,15 +90,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
     float out[1][1];
     dot(out);
+    float sc = 1.0f;
+    if constexpr (S) sc = token_scale(0);
     if (!owner) return;
     float v = out[0][0];
-    if constexpr (S) v = __fmul_rn(v, scale[t0]);
+    if constexpr (S) v = __fmul_rn(v, sc);
     if (bias != nullptr) v = __fadd_rn(v, b);
     *o = accumulate ? __fadd_rn(y_in, v) : v;
     return;
   }
   float out[NR][NT];
   dot(out);
+  float sc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) sc[t] = S ? token_scale(t) : 1.0f;
 #pragma unroll
   for (int i = 0; i < NR; ++i) {
 #pragma unroll
@@ -92,7 +111,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
       const int64_t r = r0 + i;
       if (lane == i * NT + t && r < rows && t0 + t < n_tokens) {
         float v = out[i][t];
-        if constexpr (S) v = __fmul_rn(v, scale[t0 + t]);
+        if constexpr (S) v = __fmul_rn(v, sc[t]);
         if (bias != nullptr) v = __fadd_rn(v, __ldg(bias + r));
         float* o = y + (t0 + t) * rows + r;
         *o = accumulate ? __fadd_rn(__ldcg(o), v) : v;  // in place: read around L1 (common.cuh)
@@ -104,7 +123,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
 template <Fmt F, int NR, int NT, bool V>
 int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const float* x, const float* bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  const float* scale, const uint8_t* xq) {
+                  const float* scale, const uint8_t* xq, const float* x_sums, float eps) {
   const int64_t gx = ceil_div(rows, kWarpsPerBlock * NR);
   const int64_t ny = ceil_div(n_tokens, NT);
   if (gx > lim.max_grid_x)
@@ -115,16 +134,16 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     auto run = [&](auto kernel) {
       return launch(lim, "tm_matmul", kernel, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x, bias, y, n_tokens, rows,
-                    cols, row_bytes, nblocks, accumulate, scale, y0, xq);
+                    cols, row_bytes, nblocks, accumulate, scale, y0, xq, x_sums, eps);
     };
     // x's int8 groups where the tiled reader takes them
     constexpr bool kReadsGroups = fmt_tiled(F);
+    const bool scaled = scale != nullptr || x_sums != nullptr;
     if (kReadsGroups && xq != nullptr)
-      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, kReadsGroups>)
-                              : run(matmul_kernel<F, NR, NT, V, false, kReadsGroups>));
+      TM_TRY(scaled ? run(matmul_kernel<F, NR, NT, V, true, kReadsGroups>)
+                    : run(matmul_kernel<F, NR, NT, V, false, kReadsGroups>));
     else
-      TM_TRY(scale != nullptr ? run(matmul_kernel<F, NR, NT, V, true, false>)
-                              : run(matmul_kernel<F, NR, NT, V, false, false>));
+      TM_TRY(scaled ? run(matmul_kernel<F, NR, NT, V, true, false>) : run(matmul_kernel<F, NR, NT, V, false, false>));
   }
   return TM_OK;
 }
@@ -136,13 +155,14 @@ using namespace tm_cuda;
 
 extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,
                               int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,
-                              void* stream) {
+                              const float* x_sums, float eps, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_weight_alignment(fn, "w", qtype, w));
   TM_TRY(check_f32_alignment(fn, "x", x));
   TM_TRY(check_f32_alignment(fn, "bias", bias));
   TM_TRY(check_f32_alignment(fn, "y", y));
   TM_TRY(check_f32_alignment(fn, "scale", scale));
+  TM_TRY(check_f32_alignment(fn, "x_sums", x_sums));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, cols);
@@ -158,11 +178,11 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
     if (n_tokens == 1) {
       if (pair_rows)
         return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                         scale, x_groups);
+                                         scale, x_groups, x_sums, eps);
       return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                       scale, x_groups);
+                                       scale, x_groups, x_sums, eps);
     }
     return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
-                                              accumulate, scale, x_groups);
+                                              accumulate, scale, x_groups, x_sums, eps);
   });
 }

@@ -168,10 +168,13 @@ static inline int64_t tm_act_groups_bytes(int64_t n) { return (n + 511) / 512 * 
  * rounded operation; if accumulate: y[t, r] = y[t, r] + that (residual add fused). W [rows, cols] of qtype; bias
  * nullable (float32 [rows]); scale nullable (float32 [n_tokens]: tm_rmsnorm_factors' inv, so that x = xw gives the
  * normalised product). x_groups (nullable; [T, tm_act_groups_bytes(cols)] bytes): x's int8 groups as the
- * kernel that wrote x wrote them (tm_attention's out_groups), read instead of rounding x. */
+ * kernel that wrote x wrote them (tm_attention's out_groups), read instead of rounding x. x_sums (nullable, not
+ * with scale; float32 [n_tokens, tm_norm_groups(cols)]): x's grouped sums of squares as tm_rmsnorm_factors writes
+ * xss; the product is then scaled by the inv tm_rmsnorm_factors would compute from them with eps (the same bits),
+ * so that a kernel that wrote xw and xss (tm_experts_down_accumulate) needs no norm launch before this one. */
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
                      int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                     const uint8_t* x_groups, void* stream);
+                     const uint8_t* x_groups, const float* x_sums, float eps, void* stream);
 
 /* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
  * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.

@@ -23,7 +23,7 @@ int tm_cuda_rmsnorm_factors(const float*, const float*, float*, float*, float*, 
   return no_cuda("tm_rmsnorm_factors");
 }
 int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, const float*,
-                   const uint8_t*, void*) {
+                   const uint8_t*, const float*, float, void*) {
   return no_cuda("tm_matmul");
 }
 int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, const int32_t*, int64_t, int64_t,

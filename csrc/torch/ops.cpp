@@ -154,7 +154,7 @@ void rmsnorm_factors(const Tensor& x, const Tensor& w, const Tensor& xw, const O
 
 void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
             int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, const OptTensor& x_groups,
-            int64_t stream) {
+            const OptTensor& x_sums, double eps, int64_t stream) {
   Args a("tornado_moe.matmul");
   const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
@@ -162,9 +162,10 @@ void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bi
   float* y_p = a.data<float>(y, "y", kF32, n_tokens * rows);
   const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
   const uint8_t* xg_p = a.optional<const uint8_t>(x_groups, "x_groups", kU8, n_tokens * tm_act_groups_bytes(cols));
+  const float* xs_p = a.optional<const float>(x_sums, "x_sums", kF32, n_tokens * tm_norm_groups(cols));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
-                    s_p, xg_p, as_stream(stream)));
+                    s_p, xg_p, xs_p, static_cast<float>(eps), as_stream(stream)));
 }
 
 void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
@@ -510,7 +511,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_factors(Tensor x, Tensor w, Tensor(a!) xw, Tensor(b!)? xss, Tensor(c!) inv, int n_tokens, int dim, "
         "float eps, int stream) -> ()");
   m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
-        "bool accumulate, Tensor? scale, Tensor? x_groups, int stream) -> ()");
+        "bool accumulate, Tensor? scale, Tensor? x_groups, Tensor? x_sums, float eps, int stream) -> ()");
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");

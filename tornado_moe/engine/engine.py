@@ -127,7 +127,7 @@ class Engine:
         graphs = [embedding_graph(w, act, n_tokens)]
         graphs += [layer_graph(w, act, i, n_tokens, fuse_experts=opts.fuse_experts)
                    for i in range(self.config.n_layers)]
-        graphs.append(logits_graph(w, act, n_tokens, opts.sampler))
+        graphs.append(logits_graph(w, act, n_tokens, opts.sampler, fuse_experts=opts.fuse_experts))
         return graphs
 
     # ---- steps -------------------------------------------------------------------------------------------

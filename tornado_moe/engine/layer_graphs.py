@@ -125,10 +125,21 @@ def _takes_groups(w: DeviceWeight) -> bool:
     return w.qtype == Q8_0_TILED
 
 
+def _norm_after(dm: DeviceModel, i: int) -> tuple[torch.Tensor, DeviceWeight] | None:
+    """The norm after layer i whose factors its down can write, and the weight of the product that reads
+    them: the next layer's attn_norm for its qkv_rope (when fused), or after the last layer the output norm
+    for the output head."""
+    if i + 1 == dm.config.n_layers:
+        return dm.output_norm.floats, dm.output
+    if not _qkv_fused(dm, i + 1):
+        return None
+    return _f32(dm.layers[i + 1], "attn_norm"), _w(dm.layers[i + 1], "attn_q")
+
+
 def _writes_next_xw(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
-    """Whether layer i's down writes xw = x * attn_norm of layer i + 1, for that layer's qkv_rope."""
-    return (i + 1 < dm.config.n_layers and _qkv_fused(dm, i + 1)
-            and _fused_down(dm, i, n_tokens, fuse_experts))
+    """Whether layer i's down writes xw = x * the norm after it (and x's sums of squares), for the product
+    that reads them (_norm_after)."""
+    return _norm_after(dm, i) is not None and _fused_down(dm, i, n_tokens, fuse_experts)
 
 
 def embedding_graph(dm: DeviceModel, act: Activations, n_tokens: int) -> ImmutableTaskGraph:
@@ -159,7 +170,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
-                   rows, H, False, act.norm_inv, None)
+                   rows, H, False, act.norm_inv, None, None, 0.0)
         if cfg.qk_norm:  # q and k normalised in place, as rows of the norm's width (a head, or a token's all)
             for name, out, n, width in zip(("q", "k"), (act.q, act.k), (cfg.n_heads, cfg.n_kv_heads),
                                            cfg.qk_norm_widths, strict=True):
@@ -173,7 +184,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
-           None, attn_groups)
+           None, attn_groups, None, 0.0)
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
@@ -229,9 +240,9 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
             # and the next layer's xw and xss (and xw's groups), which its qkv_rope then reads instead of
             # computing them
             writes_xw = _writes_next_xw(dm, i, T, fuse_experts)
-            next_w, xw, xss = ((_f32(dm.layers[i + 1], "attn_norm"), act.xw, act.xss) if writes_xw
-                               else (None, None, None))
-            xw_groups = act.xw_groups if writes_xw and _takes_groups(_w(dm.layers[i + 1], "attn_q")) else None
+            next_w, reader = _norm_after(dm, i) if writes_xw else (None, None)
+            xw, xss = (act.xw, act.xss) if writes_xw else (None, None)
+            xw_groups = act.xw_groups if writes_xw and _takes_groups(reader) else None
             downs = [("experts_down_accumulate", "experts_down_accumulate", wd.qtype, sd.data, act.act_dense,
                       gate_inp_sh, gate_sh, dffn, wd.data, act.act, ids, wts, act.h, act.x, next_w, xw, xss,
                       T, k, E, H, ffn, *act_groups, xw_groups)]
@@ -246,18 +257,26 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     return g.snapshot()
 
 
-def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: SamplerConfig
-                 ) -> ImmutableTaskGraph:
+def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: SamplerConfig,
+                 fuse_experts: bool = True) -> ImmutableTaskGraph:
     """Final norm and logits for the LAST token of the step, next-token choice, position advance (by the
-    step's token count)."""
+    step's token count). The norm is deferred as qkv_rope's: the head multiplies xw = x * output_norm and
+    scales by inv; where the last layer's down wrote xw and x's sums of squares (as it does for a next
+    layer's qkv_rope) the head computes inv from those sums and no norm launch comes before it, else
+    ``output_norm`` (rmsnorm_factors) writes xw and inv first: the same bits either way."""
     cfg, T, out = dm.config, n_tokens, dm.output
-    last_x = act.x[T - 1:T]
-    last_h = act.h[T - 1:T]
+    row = slice(T - 1, T)
     logits = act.logits[:1]
     g = TaskGraph("logits")
-    g.task("output_norm", "rmsnorm", last_x, dm.output_norm.floats, last_h, 1, cfg.hidden, cfg.rms_eps)
-    g.task("output", "matmul", out.qtype, out.data, last_h, None, logits, 1, cfg.vocab, cfg.hidden, False,
-           None, None)
+    if _writes_next_xw(dm, cfg.n_layers - 1, T, fuse_experts):
+        groups = act.xw_groups[row] if _takes_groups(out) else None
+        g.task("output", "matmul", out.qtype, out.data, act.xw[row], None, logits, 1, cfg.vocab, cfg.hidden,
+               False, None, groups, act.xss[row], cfg.rms_eps)
+    else:
+        g.task("output_norm", "rmsnorm_factors", act.x[row], dm.output_norm.floats, act.h[row], None,
+               act.norm_inv[:1], 1, cfg.hidden, cfg.rms_eps)
+        g.task("output", "matmul", out.qtype, out.data, act.h[row], None, logits, 1, cfg.vocab, cfg.hidden,
+               False, act.norm_inv[:1], None, None, 0.0)
     next_token = act.tokens[:1]
     advance = T  # positions the step moves on by once the next token is chosen
     if sampler.greedy:

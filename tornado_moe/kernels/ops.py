@@ -62,7 +62,8 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "embedding": ("qtype", "table", "ids", "out", "n_tokens", "vocab", "dim"),
     "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
     "rmsnorm_factors": ("x", "w", "xw", "xss", "inv", "n_tokens", "dim", "eps"),
-    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale", "x_groups"),
+    "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale", "x_groups",
+               "x_sums", "eps"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
     "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
@@ -161,11 +162,16 @@ def matmul(
     accumulate: bool = False,
     scale: torch.Tensor | None = None,
     x_groups: torch.Tensor | None = None,
+    x_sums: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
     """y = W x (* scale[t]) (+ bias) (+ y when accumulating). ``x_groups`` (uint8): x's int8 groups as the
     kernel that wrote x wrote them (attention's out_groups), which Q8_0 products read instead of rounding
-    x."""
-    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, x_groups, stream_of(y))
+    x. ``x_sums`` (instead of ``scale``): x = rmsnorm_factors' xw and these its xss; the product is scaled
+    by the inv rmsnorm_factors computes from them with ``eps`` (the same bits), so that no norm launch
+    need come between the kernel that wrote xw and xss (the down) and this one (the output head)."""
+    _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, x_groups, x_sums, eps,
+                  stream_of(y))
 
 
 def rope_kv_append(

@@ -15,11 +15,12 @@ clarity, not speed:
   qwen3moe and Mixtral-style llama files), routed ``sum_s w_s down_e(silu(gate_e h) * up_e h)`` in slot
   order, plus the qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)``;
   ``x += routed + shared``
-- logits = ``output`` (or ``token_embd`` when tied) @ ``rmsnorm(x) * output_norm``
+- logits = ``output`` (or ``token_embd`` when tied) @ ``rmsnorm(x) * output_norm``, in the deferred form below
 
 Every product with a Q8_0 weight takes its activations rounded to int8 groups (:func:`q8_round`, as the
 kernels do: csrc/common/act_quant.h). The rounding applies to the vector the kernels multiply: for q, k, v
-that is ``x * attn_norm``, the product then scaled by ``1 / rms(x)`` (the kernels' deferred norm).
+that is ``x * attn_norm``, the product then scaled by ``1 / rms(x)`` (the kernels' deferred norm), and for the
+output head ``x * output_norm``, scaled the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ from tornado_moe.quant.formats import QuantType
 __all__ = ["KVCache", "ReferenceModel", "q8_groups", "q8_round", "rmsnorm", "rope", "route_topk"]
 
 _F64 = torch.float64
+
+
+def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dimension (kept): the deferred norm's scale."""
+    return 1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,8 +175,7 @@ class ReferenceModel:
         c, L = self.config, self.layers[i]
         T = x.shape[0]
         # the kernels' deferred norm: W (x * attn_norm), then / rms(x) (the same as W rmsnorm(x) unrounded)
-        xw = x * L["attn_norm"]
-        inv = 1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + c.rms_eps)
+        xw, inv = x * L["attn_norm"], rms_inv(x, c.rms_eps)
         q, k, v = (self._mm(i, key, xw) * inv for key in ("attn_q", "attn_k", "attn_v"))
         if c.qkv_bias:
             q, k, v = q + L["attn_q_bias"], k + L["attn_k_bias"], v + L["attn_v_bias"]
@@ -250,8 +255,9 @@ class ReferenceModel:
             if return_hidden:
                 hidden.append(x.clone())
         cache.length = pos0 + T
-        h = rmsnorm(x, self.output_norm, c.rms_eps)
-        logits = (q8_round(h) if self.output_q8 else h) @ self.output.T
+        # the deferred norm, as for q, k and v
+        xw = x * self.output_norm
+        logits = ((q8_round(xw) if self.output_q8 else xw) @ self.output.T) * rms_inv(x, c.rms_eps)
         return (logits, hidden) if return_hidden else logits
 
     def generate_greedy(self, prompt_ids: Sequence[int], n_new: int) -> list[int]:

@@ -121,7 +121,8 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         return TaskBytes(_nbytes(a["w"]), 2 * F32 * T * a["dim"] + F32 * T + xss)
     if k == "matmul":
         out = F32 * T * a["rows"] * (2 if a["accumulate"] else 1)
-        return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]), F32 * T * a["cols"] + out)
+        sums = F32 * T * norm_groups(a["cols"]) if a["x_sums"] is not None else 0
+        return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]), F32 * T * a["cols"] + out + sums)
     if k == "rope_kv_append":
         q = F32 * T * a["n_heads"] * a["head_dim"]
         kv = F32 * T * a["n_kv_heads"] * a["head_dim"]

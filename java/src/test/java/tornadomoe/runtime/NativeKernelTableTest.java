@@ -31,8 +31,8 @@ public class NativeKernelTableTest {
         m.put("embedding", "qpppiii");          // qtype, table, ids, out, n_tokens, vocab, dim
         m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
         m.put("rmsnorm_factors", "pppnpiif");   // x, w, xw, xss?, inv, n_tokens, dim, eps
-        m.put("matmul", "qppnpiiibnn");         // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?,
-                                                // x_groups?
+        m.put("matmul", "qppnpiiibnnnf");       // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?,
+                                                // x_groups?, x_sums?, eps
         m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
         m.put("qkv_rope", "qpnnpfpppnnnppppiiiiiifbn"); // qtype x xw? xss? norm_w eps, w_q w_k w_v, b_q? b_k? b_v?,
                                                        // q k_cache v_cache pos, T hidden heads kv hd ctx, base,
