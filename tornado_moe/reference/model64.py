@@ -41,14 +41,19 @@ __all__ = ["KVCache", "ReferenceModel", "q8_groups", "q8_round", "rmsnorm", "rop
 _F64 = torch.float64
 
 
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """sqrt(mean(x^2) + eps) over the last dimension (kept)."""
+    return torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+
+
 def rms_inv(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(mean(x^2) + eps) over the last dimension (kept): the deferred norm's scale."""
-    return 1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+    """1 / rms(x): the deferred norm's scale."""
+    return 1.0 / _rms(x, eps)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * w over the last dimension."""
-    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w
+    return x / _rms(x, eps) * w
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, neox: bool) -> torch.Tensor:
