@@ -223,8 +223,8 @@ def test_declared_launch_counts(tiny) -> None:
         return [t.name for t in graph.tasks]
 
     one = Activations(cfg, torch.device("cpu"), max_tokens=1, max_context=8)
-    assert logits_tasks(2, True) == ["output", "argmax", "advance_position"]
-    with_norm = ["output_norm", "output", "argmax", "advance_position"]
+    assert logits_tasks(2, True) == ["output", "argmax_advance"]
+    with_norm = ["output_norm", "output", "argmax_advance"]
     assert logits_tasks(2, False) == logits_tasks(1, True) == with_norm
 
 

@@ -802,6 +802,41 @@ def test_advance_position_logs_the_token_at_the_new_position(device: str) -> Non
     assert log.tolist() == [-1] * 6 + [11, -1, 12]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+# a multiple of 4 ids (CUDA's 16-byte loads) and not; a small one, read by few of the kernel's threads
+@pytest.mark.parametrize("vocab", [151_936, 151_937, 50])
+def test_argmax_advance_is_argmax_then_advance_position(device: str, vocab: int) -> None:
+    """One launch of argmax_advance leaves the token, the position and the log as argmax then advance_position
+    do, step after step: positions logged, one past the log's end not logged, a negative delta, a tie, NaN."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(6, vocab, generator=gen)
+    rows[1, vocab // 3] = rows[1, vocab // 2] = 9.0  # a tie: the lower id
+    rows[2] = NAN  # all NaN: id 0
+    rows[3, vocab - 1] = 9.0
+    deltas = [1, 3, 2, -4, 5, 1]  # positions 6, 9, 11 (past log_len = 10), 7, 12, 13
+    state = {}
+    for fused in (False, True):
+        pos, log, out = int32([5], device), int32([-1] * 10, device), int32([-1], device)
+        tokens = []
+        for row, delta in zip(rows, deltas, strict=True):
+            logits = row.to(device)
+            if fused:
+                K.argmax_advance(logits, out, vocab, pos, delta, log, 10)
+            else:
+                K.argmax(logits, out, 1, vocab)
+                K.advance_position(pos, delta, out, log, 10)
+            tokens.append(out.item())
+        state[fused] = (tokens, pos.item(), log.tolist())
+    assert state[True] == state[False]
+    tokens, position, logged = state[True]
+    assert tokens[1:4] == [vocab // 3, 0, vocab - 1] and position == 13
+    assert logged[6] == tokens[0] and logged[9] == tokens[1] and logged[7] == tokens[3]
+    # without a log only the position moves
+    pos = int32([-2], device)
+    K.argmax_advance(rows[0].to(device), out, vocab, pos, 2)
+    assert pos.item() == 0 and out.item() == int(torch.argmax(rows[0]))
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 
 
@@ -1041,3 +1076,13 @@ def test_invoke_marshals_like_the_torch_ops(device: str) -> None:
     lib.tm_stream_synchronize(1 if device == "cuda" else 0, ctypes.c_void_p(stream))
     assert pos.item() == 3
     assert log.tolist() == [0, 0, 0, 7]
+    logits = torch.zeros(6, device=device)
+    logits[4] = 1.0
+    assert invoke(lib, "argmax_advance", device, [logits.data_ptr(), token.data_ptr(), 6, pos.data_ptr(), -1,
+                                                  log.data_ptr(), 4], stream) == 0
+    lib.tm_stream_synchronize(1 if device == "cuda" else 0, ctypes.c_void_p(stream))
+    assert (token.item(), pos.item(), log.tolist()) == (4, 2, [0, 0, 4, 7])
+    head = [logits.data_ptr(), token.data_ptr(), 6, pos.data_ptr()]
+    assert invoke(lib, "argmax_advance", device, [*head, 1 << 31, 0, 0], stream) == -1  # delta past int32
+    assert invoke(lib, "argmax_advance", device, [*head, 1, log.data_ptr(), -1], stream) == -1
+    assert b"'log_len' must be >= 0" in lib.tm_last_error()

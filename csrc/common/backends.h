@@ -85,7 +85,9 @@ int tm_set_error(int status, const char* fmt, ...);
   int PREFIX##sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,         \
                      int64_t top_k, uint64_t seed, const int32_t* step, void* stream);                        \
   int PREFIX##advance_position(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log, int64_t log_len, \
-                               void* stream);
+                               void* stream);                                                                \
+  int PREFIX##argmax_advance(const float* logits, int32_t* out, int64_t vocab, int32_t* pos, int32_t delta,    \
+                             int32_t* log, int64_t log_len, void* stream);
 
 TM_BACKEND_KERNELS(tm_cpu_)
 TM_BACKEND_KERNELS(tm_cuda_)

@@ -191,6 +191,31 @@ int check_act_groups(const char* fn, const void* groups_sh, const float* act_sh,
   return check_groups(fn, "act_groups", groups, act, "act", "ffn", ffn);
 }
 
+// tm_argmax's arguments
+int check_argmax(const char* fn, tm_device device, const float* logits, const int32_t* out, int64_t n_tokens,
+                 int64_t vocab) {
+  TM_TRY(check_device(fn, device));
+  TM_TRY(check_ptr(fn, "logits", logits));
+  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
+  TM_TRY(check_positive(fn, "vocab", vocab));
+  if (vocab > INT32_MAX)
+    return tm_set_error(kInvalid, "%s: vocab = %" PRId64 " does not fit the int32 token ids", fn, vocab);
+  return TM_OK;
+}
+
+// tm_advance_position's arguments (token: where the chosen token is read from)
+int check_advance(const char* fn, const int32_t* pos, const int32_t* token, const int32_t* log, int64_t log_len) {
+  TM_TRY(check_ptr(fn, "pos", pos));
+  if (log != nullptr) {
+    TM_TRY(check_ptr(fn, "token", token));
+    if (log_len < 0)
+      return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: argument 'log_len' must be >= 0, got %lld", fn,
+                          static_cast<long long>(log_len));
+  }
+  return TM_OK;
+}
+
 }  // namespace
 
 #define TM_FORWARD(kernel, device, ...)                                                              \
@@ -525,15 +550,16 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
 
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
                      void* stream) {
-  const char* fn = "tm_argmax";
-  TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "logits", logits));
-  TM_TRY(check_ptr(fn, "out", out));
-  TM_TRY(check_positive(fn, "n_tokens", n_tokens));
-  TM_TRY(check_positive(fn, "vocab", vocab));
-  if (vocab > INT32_MAX)
-    return tm_set_error(kInvalid, "%s: vocab = %" PRId64 " does not fit the int32 token ids", fn, vocab);
+  TM_TRY(check_argmax("tm_argmax", device, logits, out, n_tokens, vocab));
   return TM_FORWARD(argmax, device, logits, out, n_tokens, vocab, stream);
+}
+
+TM_API int tm_argmax_advance(tm_device device, const float* logits, int32_t* out, int64_t vocab, int32_t* pos,
+                             int32_t delta, int32_t* log, int64_t log_len, void* stream) {
+  const char* fn = "tm_argmax_advance";
+  TM_TRY(check_argmax(fn, device, logits, out, 1, vocab));
+  TM_TRY(check_advance(fn, pos, out, log, log_len));
+  return TM_FORWARD(argmax_advance, device, logits, out, vocab, pos, delta, log, log_len, stream);
 }
 
 TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_t vocab, float temperature,
@@ -559,13 +585,7 @@ TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, co
                                int64_t log_len, void* stream) {
   const char* fn = "tm_advance_position";
   TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "pos", pos));
-  if (log != nullptr) {
-    TM_TRY(check_ptr(fn, "token", token));
-    if (log_len < 0)
-      return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: argument 'log_len' must be >= 0, got %lld", fn,
-                          static_cast<long long>(log_len));
-  }
+  TM_TRY(check_advance(fn, pos, token, log, log_len));
   return TM_FORWARD(advance_position, device, pos, delta, token, log, log_len, stream);
 }
 

@@ -171,6 +171,12 @@ const KernelRow kKernels[] = {
                                   i64(a[4]), s);
      },
      1u << 1},
+    {"argmax_advance", "ppipini",
+     [](tm_device d, const uint64_t* a, void* s) {
+       return tm_argmax_advance(d, ptr<const float>(a[0]), ptr<int32_t>(a[1]), i64(a[2]), ptr<int32_t>(a[3]),
+                                i32(a[4]), ptr<int32_t>(a[5]), i64(a[6]), s);
+     },
+     1u << 4},
 };
 
 constexpr int kKernelCount = static_cast<int>(sizeof(kKernels) / sizeof(kKernels[0]));

@@ -145,3 +145,9 @@ extern "C" int tm_cpu_advance_position(int32_t* pos, int32_t delta, const int32_
   if (log != nullptr && p >= 0 && p < log_len) log[p] = token[0];
   return TM_OK;
 }
+
+extern "C" int tm_cpu_argmax_advance(const float* logits, int32_t* out, int64_t vocab, int32_t* pos, int32_t delta,
+                                     int32_t* log, int64_t log_len, void* stream) {
+  TM_TRY(tm_cpu_argmax(logits, out, 1, vocab, stream));
+  return tm_cpu_advance_position(pos, delta, out, log, log_len, stream);
+}

@@ -116,6 +116,15 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// tm_advance_position's update, from pos[0] as read before (p_old): pos[0] = p_old + delta (two's-complement wrap,
+// as the CPU kernel), and log[p] = token for the new position p inside [0, log_len) when log is given. One thread.
+__device__ __forceinline__ void advance_position_from(int32_t* pos, int32_t p_old, int32_t delta, int32_t token,
+                                                      int32_t* log, int64_t log_len) {
+  const int32_t p = static_cast<int32_t>(static_cast<uint32_t>(p_old) + static_cast<uint32_t>(delta));
+  pos[0] = p;
+  if (log != nullptr && p >= 0 && p < log_len) log[p] = token;
+}
+
 // Barrier `id` (1-15; 0 is __syncthreads) of the kThreads threads (whole warps) that reach it: a block whose warps
 // have different roles synchronises each role's warps alone.
 template <int kThreads>

@@ -172,9 +172,7 @@ namespace {
 __global__ void advance_position_kernel(int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
                                         int64_t log_len) {
   pdl_begin();
-  const int32_t p = static_cast<int32_t>(static_cast<uint32_t>(pos[0]) + static_cast<uint32_t>(delta));
-  pos[0] = p;
-  if (log != nullptr && p >= 0 && p < log_len) log[p] = token[0];
+  advance_position_from(pos, pos[0], delta, log != nullptr ? token[0] : 0, log, log_len);
 }
 }  // namespace
 

@@ -5,7 +5,9 @@
  *   ... (rows of a multiple of 4 ids at a 16-byte boundary: the 4-id quads at those indices, one 16-byte load
  *   each); the block reductions, then block 0's merge of the 8 (distributed shared memory), keep the best
  *   (value, id) under "larger value, then lower id" with NaN never winning (an all-NaN row gives 0, as the CPU
- *   kernel). The order of a maximum does not matter: the result is exact.
+ *   kernel). The order of a maximum does not matter: the result is exact. tm_argmax_advance's launch (one token)
+ *   then moves the position on in the same thread that stores the token (common.cuh's advance_position_from), with
+ *   pos[0] read at the start, after pdl_wait, so that no load follows the merge.
  * sample: one thread-block cluster of 8 blocks x 512 threads; block b owns the contiguous ids
  *   [b * ceil(V/8), (b+1) * ceil(V/8)), thread i of a block the ids base + i, base + i + 512, ...
  *   It follows the rule written out in csrc/common/sampling_rng.h (same u from tm_sample_uniform(seed, step[0])):
@@ -58,8 +60,10 @@ __device__ __forceinline__ void arg_merge(float v, int i, float& bv, int& bi) {
 // r * 1024 + i, + 8192, ...; its best (value, id) goes to its shared memory, and block 0 merges the blocks'
 // through distributed shared memory. A maximum under "larger value, then lower id" does not depend on the order
 // it is taken in: the result is exact, whatever the split.
+// With pos (one token): then tm_advance_position(pos, delta, out, log, log_len).
 __global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThreads)
-    argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int64_t vocab, int64_t tok0) {
+    argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int64_t vocab, int64_t tok0,
+                  int32_t* pos, int32_t delta, int32_t* log, int64_t log_len) {
   __shared__ float s_val[kArgThreads / 32];
   __shared__ int s_id[kArgThreads / 32];
   cg::cluster_group cluster = cg::this_cluster();
@@ -67,6 +71,8 @@ __global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThread
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = tok0 + blockIdx.x / kArgCluster;
   pdl_begin();
+  const bool advances = pos != nullptr && rank == 0 && threadIdx.x == 0;
+  const int32_t pos_old = advances ? pos[0] : 0;  // in flight during the scan
   const float* row = logits + t * vocab;
   float bv = -INFINITY;
   int bi = INT_MAX;
@@ -113,7 +119,9 @@ __global__ void __cluster_dims__(kArgCluster, 1, 1) __launch_bounds__(kArgThread
   if (rank == 0 && threadIdx.x == 0) {
     for (int c = 1; c < kArgCluster; ++c)
       arg_merge(cluster.map_shared_rank(s_val, c)[0], cluster.map_shared_rank(s_id, c)[0], bv, bi);
-    out[t] = bi == INT_MAX ? 0 : bi;
+    const int32_t token = bi == INT_MAX ? 0 : bi;
+    out[t] = token;
+    if (advances) advance_position_from(pos, pos_old, delta, token, log, log_len);
   }
   cluster.sync();  // a block's shared memory must outlive block 0's reads of it
 }
@@ -466,9 +474,19 @@ extern "C" int tm_cuda_argmax(const float* logits, int32_t* out, int64_t n_token
   for (int64_t t0 = 0; t0 < n_tokens; t0 += per_launch) {
     const int64_t n = n_tokens - t0 < per_launch ? n_tokens - t0 : per_launch;
     TM_TRY(launch(lim, fn, argmax_kernel, dim3(static_cast<unsigned>(n * kArgCluster)), dim3(kArgThreads), 0,
-                  as_stream(stream), logits, out, vocab, t0));
+                  as_stream(stream), logits, out, vocab, t0, nullptr, 0, nullptr, int64_t{0}));
   }
   return TM_OK;
+}
+
+extern "C" int tm_cuda_argmax_advance(const float* logits, int32_t* out, int64_t vocab, int32_t* pos, int32_t delta,
+                                      int32_t* log, int64_t log_len, void* stream) {
+  const char* fn = "tm_argmax_advance";
+  TM_TRY(check_f32_alignment(fn, "logits", logits));
+  Limits lim;
+  TM_TRY(get_limits(&lim));
+  return launch(lim, fn, argmax_kernel, dim3(kArgCluster), dim3(kArgThreads), 0, as_stream(stream), logits, out,
+                vocab, int64_t{0}, pos, delta, log, log_len);
 }
 
 extern "C" int tm_cuda_sample(const float* logits, int32_t* out, int64_t vocab, float temperature, float top_p,

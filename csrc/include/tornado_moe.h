@@ -402,6 +402,11 @@ TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_
 TM_API int tm_advance_position(tm_device device, int32_t* pos, int32_t delta, const int32_t* token, int32_t* log,
                                int64_t log_len, void* stream);
 
+/* A greedy decode step's last two tasks in one launch: tm_argmax of the one row logits[vocab] into out[0], then
+ * tm_advance_position(pos, delta, out, log, log_len). out, pos and log end as the two calls leave them. */
+TM_API int tm_argmax_advance(tm_device device, const float* logits, int32_t* out, int64_t vocab, int32_t* pos,
+                             int32_t delta, int32_t* log, int64_t log_len, void* stream);
+
 /* ---- generic invocation (the Java route) ------------------------------------------------------------- */
 /* Every kernel above is also reachable by index with its arguments packed as 64-bit words (pointers as
  * addresses, integers sign-extended, floats as the bits of a float32 in the low word). The signature string

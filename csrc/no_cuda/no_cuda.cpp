@@ -89,6 +89,9 @@ int tm_cuda_sample(const float*, int32_t*, int64_t, float, float, int64_t, uint6
 int tm_cuda_advance_position(int32_t*, int32_t, const int32_t*, int32_t*, int64_t, void*) {
   return no_cuda("tm_advance_position");
 }
+int tm_cuda_argmax_advance(const float*, int32_t*, int64_t, int32_t*, int32_t, int32_t*, int64_t, void*) {
+  return no_cuda("tm_argmax_advance");
+}
 
 int tm_cuda_compiled_impl(void) { return 0; }
 int tm_cuda_device_count_impl(void) { return 0; }

@@ -476,6 +476,20 @@ void advance_position(const Tensor& pos, int64_t delta, const OptTensor& token, 
                               as_stream(stream)));
 }
 
+void argmax_advance(const Tensor& logits, const Tensor& out, int64_t vocab, const Tensor& pos, int64_t delta,
+                    const OptTensor& log, int64_t log_len, int64_t stream) {
+  Args a("tornado_moe.argmax_advance");
+  TORCH_CHECK(delta >= INT32_MIN && delta <= INT32_MAX, "tornado_moe.argmax_advance: delta ", num(delta),
+              " does not fit int32");
+  const float* l_p = a.data<const float>(logits, "logits", kF32, vocab);
+  int32_t* out_p = a.data<int32_t>(out, "out", kI32, 1);
+  int32_t* pos_p = a.data<int32_t>(pos, "pos", kI32, 1);
+  int32_t* log_p = a.optional<int32_t>(log, "log", kI32, log_len);
+  c10::DeviceGuard guard(a.torch_device());
+  a.check(tm_argmax_advance(a.device(), l_p, out_p, vocab, pos_p, static_cast<int32_t>(delta), log_p, log_len,
+                            as_stream(stream)));
+}
+
 bool cuda_compiled() { return tm_cuda_compiled() != 0; }
 
 int64_t cuda_device_count() { return tm_cuda_device_count(); }
@@ -552,6 +566,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("sample(Tensor logits, Tensor(a!) out, int vocab, float temperature, float top_p, int top_k, int seed, "
         "Tensor step, int stream) -> ()");
   m.def("advance_position(Tensor(a!) pos, int delta, Tensor? token, Tensor(b!)? log, int log_len, int stream) -> ()");
+  m.def("argmax_advance(Tensor logits, Tensor(a!) out, int vocab, Tensor(b!) pos, int delta, Tensor(c!)? log, "
+        "int log_len, int stream) -> ()");
   // No tensor arguments: catch-all kernels.
   m.def("cuda_compiled() -> bool", &cuda_compiled);
   m.def("cuda_device_count() -> int", &cuda_device_count);
@@ -589,7 +605,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("experts_down_accumulate", &experts_down_accumulate); \
   m.impl("argmax", &argmax);                               \
   m.impl("sample", &sample);                               \
-  m.impl("advance_position", &advance_position)
+  m.impl("advance_position", &advance_position);                \
+  m.impl("argmax_advance", &argmax_advance)
 
 TORCH_LIBRARY_IMPL(tornado_moe, CPU, m) { TM_REGISTER_KERNELS(m); }
 

@@ -278,18 +278,16 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
         g.task("output", "matmul", out.qtype, out.data, act.h[row], None, logits, 1, cfg.vocab, cfg.hidden,
                False, act.norm_inv[:1], None, None, 0.0)
     next_token = act.tokens[:1]
-    advance = T  # positions the step moves on by once the next token is chosen
-    if sampler.greedy:
-        g.task("argmax", "argmax", logits, next_token, 1, cfg.vocab)
+    log = (act.token_log, act.token_log.numel())  # where the position's advance logs the token chosen
+    if sampler.greedy:  # the choice and the position's advance by the step's tokens in one launch
+        g.task("argmax_advance", "argmax_advance", logits, next_token, cfg.vocab, act.position, T, *log)
     else:
         # The sample is keyed by the position of the token whose logits it reads (the step's last), as when
         # tokens come one a step: a step of several first moves the device position to its last token.
         if T > 1:
             g.task("position_to_last", "advance_position", act.position, T - 1, None, None, 0)
-            advance = 1
         g.task("sample", "sample", logits, next_token, cfg.vocab, sampler.temperature, sampler.top_p,
                sampler.top_k, u64_as_int64(sampler.seed), act.position)
-    g.task("advance_position", "advance_position", act.position, advance, next_token, act.token_log,
-           act.token_log.numel())
+        g.task("advance_position", "advance_position", act.position, 1, next_token, *log)
     g.transfer_to_host(DataTransferMode.EVERY_EXECUTION, next_token)
     return g.snapshot()

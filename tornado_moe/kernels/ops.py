@@ -24,6 +24,7 @@ __all__ = [
     "act_groups_bytes",
     "advance_position",
     "argmax",
+    "argmax_advance",
     "attention",
     "attention_scratch_words",
     "cuda_compiled",
@@ -96,6 +97,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "argmax": ("logits", "out", "n_tokens", "vocab"),
     "sample": ("logits", "out", "vocab", "temperature", "top_p", "top_k", "seed", "step"),
     "advance_position": ("pos", "delta", "token", "log", "log_len"),
+    "argmax_advance": ("logits", "out", "vocab", "pos", "delta", "log", "log_len"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNEL_ARGS)
 
@@ -570,6 +572,13 @@ def advance_position(pos: torch.Tensor, delta: int, token: torch.Tensor | None =
                      log: torch.Tensor | None = None, log_len: int = 0) -> None:
     """pos[0] += delta; with ``log``, log[new pos] = token[0] when the new position is below ``log_len``."""
     _ops().advance_position(pos, delta, token, log, log_len, stream_of(pos))
+
+
+def argmax_advance(logits: torch.Tensor, out: torch.Tensor, vocab: int, pos: torch.Tensor, delta: int,
+                   log: torch.Tensor | None = None, log_len: int = 0) -> None:
+    """``argmax`` of one row, then ``advance_position(pos, delta, out, log, log_len)``, in one launch: a
+    greedy decode step's last two tasks, one launch a token fewer."""
+    _ops().argmax_advance(logits, out, vocab, pos, delta, log, log_len, stream_of(out))
 
 
 @dataclass(frozen=True)

@@ -163,4 +163,6 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
         return TaskBytes(0, F32 * a["vocab"] + 2 * I32)
     if k == "advance_position":  # the position read and written; with a log, the token read and logged
         return TaskBytes(0, (4 if a["log"] is not None else 2) * I32)
+    if k == "argmax_advance":  # argmax's row and token, the position read and written, the token logged
+        return TaskBytes(0, F32 * a["vocab"] + (4 if a["log"] is not None else 3) * I32)
     raise ValueError(f"task {task.name!r}: no byte model for kernel {k!r}")

@@ -238,6 +238,19 @@ public class CpuKernelsTest {
         assertArrayEquals(new int[] {1, 2, 0, 4}, NativeTestSupport.readInts(out, 4));
     }
 
+    @Test
+    public void argmaxAdvanceChoosesThenMovesThePositionAndLogsTheToken() {
+        ByteBuffer out = NativeTestSupport.ints(-1);
+        ByteBuffer pos = NativeTestSupport.ints(2);
+        ByteBuffer log = NativeTestSupport.ints(-1, -1, -1, -1, -1);
+        run(new TaskGraph("g").task("argmax_advance", "argmax_advance",
+                buf(NativeTestSupport.floats(new float[] {1f, 7f, 7f, -3f}), "logits"), buf(out, "out"), 4L,
+                buf(pos, "pos"), 2L, buf(log, "log"), 5L));
+        assertArrayEquals(new int[] {1}, NativeTestSupport.readInts(out, 1));  // the tie goes to the lower id
+        assertArrayEquals(new int[] {4}, NativeTestSupport.readInts(pos, 1));
+        assertArrayEquals(new int[] {-1, -1, -1, -1, 1}, NativeTestSupport.readInts(log, 5));
+    }
+
     /**
      * The values a Q8_0 product multiplies for the finite activations h (csrc/common/act_quant.h): per group of 4,
      * rint(v * 2^-e) * 2^e, 2^e the smallest power of two that puts the group's largest |v| below 127.5; groups

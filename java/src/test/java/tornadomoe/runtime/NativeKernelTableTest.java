@@ -60,6 +60,7 @@ public class NativeKernelTableTest {
         m.put("argmax", "ppii");                // logits out n_tokens vocab
         m.put("sample", "ppiffiup");            // logits out vocab temp top_p top_k seed step
         m.put("advance_position", "pinni");     // pos delta token log log_len
+        m.put("argmax_advance", "ppipini");     // logits out vocab pos delta log? log_len
         return m;
     }
 
