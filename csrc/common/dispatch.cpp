@@ -191,8 +191,8 @@ int check_act_groups(const char* fn, const void* groups_sh, const float* act_sh,
   return check_groups(fn, "act_groups", groups, act, "act", "ffn", ffn);
 }
 
-// tm_argmax's arguments
-int check_argmax(const char* fn, tm_device device, const float* logits, const int32_t* out, int64_t n_tokens,
+// The arguments of a choice of tokens from n_tokens rows of logits (tm_argmax, tm_sample)
+int check_choice(const char* fn, tm_device device, const float* logits, const int32_t* out, int64_t n_tokens,
                  int64_t vocab) {
   TM_TRY(check_device(fn, device));
   TM_TRY(check_ptr(fn, "logits", logits));
@@ -550,14 +550,14 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
 
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,
                      void* stream) {
-  TM_TRY(check_argmax("tm_argmax", device, logits, out, n_tokens, vocab));
+  TM_TRY(check_choice("tm_argmax", device, logits, out, n_tokens, vocab));
   return TM_FORWARD(argmax, device, logits, out, n_tokens, vocab, stream);
 }
 
 TM_API int tm_argmax_advance(tm_device device, const float* logits, int32_t* out, int64_t vocab, int32_t* pos,
                              int32_t delta, int32_t* log, int64_t log_len, void* stream) {
   const char* fn = "tm_argmax_advance";
-  TM_TRY(check_argmax(fn, device, logits, out, 1, vocab));
+  TM_TRY(check_choice(fn, device, logits, out, 1, vocab));
   TM_TRY(check_advance(fn, pos, out, log, log_len));
   return TM_FORWARD(argmax_advance, device, logits, out, vocab, pos, delta, log, log_len, stream);
 }
@@ -565,13 +565,8 @@ TM_API int tm_argmax_advance(tm_device device, const float* logits, int32_t* out
 TM_API int tm_sample(tm_device device, const float* logits, int32_t* out, int64_t vocab, float temperature,
                      float top_p, int64_t top_k, uint64_t seed, const int32_t* step, void* stream) {
   const char* fn = "tm_sample";
-  TM_TRY(check_device(fn, device));
-  TM_TRY(check_ptr(fn, "logits", logits));
-  TM_TRY(check_ptr(fn, "out", out));
+  TM_TRY(check_choice(fn, device, logits, out, 1, vocab));
   TM_TRY(check_ptr(fn, "step", step));
-  TM_TRY(check_positive(fn, "vocab", vocab));
-  if (vocab > INT32_MAX)
-    return tm_set_error(kInvalid, "%s: vocab = %" PRId64 " does not fit the int32 token ids", fn, vocab);
   if (!(temperature > 0.0f) || !std::isfinite(temperature))
     return tm_set_error(kInvalid,
                         "%s: argument 'temperature' must be finite and > 0, got %g (use tm_argmax for greedy)", fn,
