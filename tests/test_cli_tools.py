@@ -436,8 +436,11 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
         assert gap["copy_us_per_step"] > 0  # the token read back after each step
         # the period between step starts holds a step's span and the gap after it; the steps of one graph
         # chain under PDL, so the next step's first kernel may start before this step's last one ends and a
-        # span may pass the period by that overlap (570.6 against 570.0 us on the H200, 2026-12-03)
-        assert 0 < gap["span_median_us"] <= 1.01 * gap["period_median_us"]
+        # span may pass the period by that overlap, at most the last kernel's time (argmax_advance's: 44.7
+        # against 42.5 us on the tiny model, 1,402.3 against 1,397.9 on the full one, H100, 2026-12-07)
+        last = v["tasks"][-1]
+        overlap = last["kernel_time_us"] / last["launches_measured"]
+        assert 0 < gap["span_median_us"] <= gap["period_median_us"] + overlap
 
 
 @pytest.mark.gpu
