@@ -605,7 +605,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.impl("experts_down_accumulate", &experts_down_accumulate); \
   m.impl("argmax", &argmax);                               \
   m.impl("sample", &sample);                               \
-  m.impl("advance_position", &advance_position);                \
+  m.impl("advance_position", &advance_position);           \
   m.impl("argmax_advance", &argmax_advance)
 
 TORCH_LIBRARY_IMPL(tornado_moe, CPU, m) { TM_REGISTER_KERNELS(m); }
