@@ -550,11 +550,12 @@ def test_experts_down_with_the_routers_gate_is_the_gated_down_bitwise(device: st
 def test_int8_groups_pass_from_gate_up_to_down_to_qkv_as_the_rounded_floats(device: str, n_tokens: int,
                                                                             n_experts: int) -> None:
     """The decode chain's int8 activation groups: router_experts_gate_up writes act_sh's and act's groups
-    beside them, experts_down_accumulate reads those instead of rounding the floats and writes xw's groups,
-    qkv_rope reads those. Every group buffer must hold the bytes of kernel_reference.act_groups (model64's
-    groups, laid out as tornado_moe.h says) of the floats written beside it, and every result must be the bits
-    of the same call without groups (one launch, the grouped prefill path, the router's own launches).
-    ffn = 1408 and ffn_sh = 640: short last blocks of the layout."""
+    instead of the floats, experts_down_accumulate reads only those (the floats' buffers poisoned) and writes
+    xw's groups, qkv_rope reads those. Every group buffer must hold the bytes of kernel_reference.act_groups
+    (model64's groups, laid out as tornado_moe.h says) of the floats the same call writes without groups, and
+    every result must be the bits of the chain without groups (one launch, the grouped prefill path, the
+    router's own launches; on CUDA also the down's two launches under a shared-memory cap). ffn = 1408 and
+    ffn_sh = 640: short last blocks of the layout."""
     from tornado_moe.quant.tiled import Q8_0_TILED, tile_q8_0
 
     top_k, ffn_sh, ffn, hidden, n_heads, hd = 4, 640, 1408, 256, 4, 32
@@ -572,32 +573,52 @@ def test_int8_groups_pass_from_gate_up_to_down_to_qkv_as_the_rounded_floats(devi
     x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
     next_w = randn(rng, (hidden,), device)
     w_router, gate_inp = randn(rng, (n_experts, hidden), device, 0.05), randn(rng, (hidden,), device, 0.05)
-    h, act_sh = poisoned((n_tokens, hidden), device), poisoned((n_tokens, ffn_sh), device)
-    act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
-    ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
-    wts = torch.zeros(n_tokens, top_k, device=device)
     scratch = torch.zeros(K.router_gate_up_scratch_words(n_tokens, n_experts, hidden), dtype=torch.int32,
                           device=device)
+
+    def gate_up(*given: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        h, act_sh = poisoned((n_tokens, hidden), device), poisoned((n_tokens, ffn_sh), device)
+        act, gate_sh = poisoned((n_tokens, top_k, ffn), device), poisoned((n_tokens,), device)
+        ids = torch.zeros(n_tokens, top_k, dtype=torch.int32, device=device)
+        wts = torch.zeros(n_tokens, top_k, device=device)
+        K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
+                                 gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
+                                 scratch, *given)
+        return act_sh, act, h, gate_sh, ids, wts
+
     act_sh_q, act_q = groups(n_tokens, ffn_sh), groups(n_tokens, top_k, ffn)
-    K.router_experts_gate_up(x, norm_w, 1e-6, h, w_router, ids, wts, Q8_0_TILED, gs, us, act_sh, ffn_sh,
-                             gate_inp, gate_sh, g, u, act, n_tokens, n_experts, hidden, top_k, True, ffn,
-                             scratch, act_sh_q, act_q)
+    act_sh, act, *routed = gate_up(None, None)
+    _, _, *routed_q = gate_up(act_sh_q, act_q)
     assert not torch.isnan(act_sh).any() and not torch.isnan(act).any()
+    assert all(torch.equal(a, b) for a, b in zip(routed, routed_q, strict=True))
     assert torch.equal(act_sh_q.cpu(), ref.act_groups(act_sh))
     assert torch.equal(act_q.cpu(), ref.act_groups(act))
+    gate_sh, ids, wts = routed[1:]
 
     x0 = randn(rng, (n_tokens, hidden), device)
-    outs = []
-    for given in ((None, None, None), (act_sh_q, act_q, groups(n_tokens, hidden))):
+
+    def down(floats: tuple[torch.Tensor, torch.Tensor], given: tuple[torch.Tensor | None, ...],
+             smem_cap: int = 0) -> tuple[torch.Tensor, ...]:
         xo, xw = x0.clone(), poisoned((n_tokens, hidden), device)
         xss = poisoned((n_tokens, K.norm_groups(hidden)), device)
-        K.experts_down_accumulate(Q8_0_TILED, wd_sh, act_sh, None, gate_sh, ffn_sh, wd, act, ids, wts, None,
-                                  xo, next_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn, *given)
-        outs.append((xo, xw, xss, given[2]))
-    (xo, xw, xss, _), (xo_q, xw_q, xss_q, xw_groups) = outs
+        K.set_launch_limits_for_testing(smem_cap, 0)
+        try:
+            K.experts_down_accumulate(Q8_0_TILED, wd_sh, floats[0], None, gate_sh, ffn_sh, wd, floats[1], ids,
+                                      wts, None, xo, next_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn,
+                                      *given)
+        finally:
+            K.set_launch_limits_for_testing(0, 0)
+        return xo, xw, xss
+
+    xo, xw, xss = down((act_sh, act), (None, None, None))
     assert not torch.isnan(xo).any() and not torch.equal(xo, x0)
-    assert torch.equal(xo_q, xo) and torch.equal(xw_q, xw) and torch.equal(xss_q, xss)
-    assert torch.equal(xw_groups.cpu(), ref.act_groups(xw))
+    unread = (torch.full_like(act_sh, float("nan")), torch.full_like(act, float("nan")))
+    xw_groups = groups(n_tokens, hidden)
+    for smem_cap in (0, 64) if device == "cuda" else (0,):  # 64 bytes: the two launches
+        xw_groups.zero_()
+        got = down(unread, (act_sh_q, act_q, xw_groups), smem_cap)
+        assert all(torch.equal(a, b) for a, b in zip(got, (xo, xw, xss), strict=True)), smem_cap
+        assert torch.equal(xw_groups.cpu(), ref.act_groups(xw)), smem_cap
 
     wq, wk, wv = (weights((n * hd, hidden)) for n in (n_heads, n_heads, n_heads))
     pos, max_ctx = torch.tensor([2], dtype=torch.int32, device=device), 2 + n_tokens
@@ -642,7 +663,7 @@ def test_attention_groups_feed_the_output_projection_bitwise(device: str, n_toke
 @pytest.mark.parametrize("device", DEVICES)
 def test_int8_groups_go_with_their_floats(device: str) -> None:
     """Group buffers are checked: given with the floats they belong to, both halves' or neither, 16-byte
-    aligned."""
+    aligned, and to the down only with the tiled Q8_0 rows that multiply them."""
     n_tokens, n_experts, hidden, ffn = 1, 4, 32, 32
     w = torch.zeros(n_experts * ffn, 34, dtype=torch.uint8, device=device)
     x = torch.ones(n_tokens, hidden, device=device)
@@ -659,6 +680,8 @@ def test_int8_groups_go_with_their_floats(device: str) -> None:
         K.experts_down_accumulate(*down, q_sh.view(-1)[8:], q, None)
     with pytest.raises(RuntimeError, match="'xw_groups' goes with 'xw'"):
         K.experts_down_accumulate(*down, None, None, q_sh)
+    with pytest.raises(RuntimeError, match="need TM_Q8_0_TILED rows"):
+        K.experts_down_accumulate(*down, q_sh, q, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

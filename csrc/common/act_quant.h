@@ -112,6 +112,21 @@ inline void store_row_groups(const float* x, uint8_t* q, int64_t rows, int64_t n
   for (int64_t r = 0; r < rows; ++r) store_groups(x + r * n, q + r * groups_bytes(n), n);
 }
 
+// The values the groups of rows [rows, n] at q (groups_bytes(n) bytes a row) stand for, into x: q8_round's values
+// of the floats they were made from.
+inline void load_row_groups(const uint8_t* q, float* x, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* buf = q + r * groups_bytes(n);
+    for (int64_t j = 0; j < n / 4; ++j) {
+      uint32_t codes;
+      float scale;
+      std::memcpy(&codes, buf + group_offset(j), 4);
+      std::memcpy(&scale, buf + group_offset(j) + 512, 4);
+      for (int i = 0; i < 4; ++i) x[r * n + 4 * j + i] = static_cast<float>(group_code(codes, i)) * scale;
+    }
+  }
+}
+
 // The values the groups of x[0 .. n) stand for (n a multiple of 4), into out (may be x): what a Q8_0 dot product
 // multiplies (the CPU kernels round their activations with this, then take their float dot products).
 inline void q8_round(const float* x, float* out, int64_t n) {

@@ -542,6 +542,9 @@ TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w
     return tm_set_error(kInvalid, "%s: give 'next_norm_w', 'xw' and 'xss' together (the next normalisation's "
                         "factor and partial sums) or none of them", fn);
   TM_TRY(check_act_groups(fn, act_groups_sh, act_sh, ffn_sh, act_groups, act, ffn));
+  if (act_groups != nullptr && qtype != TM_Q8_0_TILED)  // the groups stand for act: only Q8_0 rows multiply them
+    return tm_set_error(kInvalid, "%s: 'act_groups' need TM_Q8_0_TILED rows (qtype %d given), which multiply "
+                        "int8 groups", fn, qtype);
   TM_TRY(check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down,
                     act, ids, weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden, ffn,

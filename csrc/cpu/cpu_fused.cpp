@@ -44,7 +44,8 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
 }
 
 // A given gate_sh enters as the shared call's slot weights: w_eff = gate_sh[t], the bits of the gated call's
-// 1 * sigmoid(z). The activations' groups are what the CPU's Q8_0 products round act to: not read.
+// 1 * sigmoid(z). Given act's groups, the down multiplies their values (act is then work space, tornado_moe.h):
+// what the Q8_0 products would round the floats to, so the same bits.
 extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, const float* act_sh,
                                               const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                               const void* w_down, const float* act, const int32_t* ids,
@@ -52,8 +53,17 @@ extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, 
                                               const float* next_norm_w, float* xw, float* xss, int64_t n_tokens,
                                               int64_t top_k,
                                               int64_t n_experts, int64_t hidden, int64_t ffn,
-                                              const uint8_t* /*act_groups_sh*/, const uint8_t* /*act_groups*/,
+                                              const uint8_t* act_groups_sh, const uint8_t* act_groups,
                                               uint8_t* xw_groups, void* stream) {
+  std::vector<float> from_groups_sh, from_groups;
+  if (act_groups_sh != nullptr) {
+    from_groups_sh.resize(static_cast<size_t>(n_tokens * ffn_sh));
+    from_groups.resize(static_cast<size_t>(n_tokens * top_k * ffn));
+    tm_act::load_row_groups(act_groups_sh, from_groups_sh.data(), n_tokens, ffn_sh);
+    tm_act::load_row_groups(act_groups, from_groups.data(), n_tokens * top_k, ffn);
+    act_sh = from_groups_sh.data();
+    act = from_groups.data();
+  }
   TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down_sh, act_sh, nullptr, gate_sh, gate_inp_sh, h, x, n_tokens, 1, 0, 1,
                                     1, hidden, ffn_sh, stream));
   TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,

@@ -144,7 +144,8 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // ~70-instruction call, paid by every warp before its first load.
 // e_given >= 0: the slot's expert id, known to the caller (router_experts_gate_up's flag carries it), not read.
 // XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
-// With a.act_q the block also stores its rows' int8 groups (store_block_act_groups: the whole block calls this).
+// With a.act_q the block stores its rows' int8 groups instead of the floats (store_block_act_groups: the whole
+// block calls this).
 template <Fmt F, bool V, class XT = float>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
@@ -168,7 +169,9 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     v = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
   }
-  if (row && lane == 0) a.act[slot * a.ffn + r] = v;
+  // With groups the consumer reads only them (tornado_moe.h): no floats. Their stores cost 0.5% of the decode
+  // step on an H100 and 0.4% on the H200 (results/NOTES.md lesson 177).
+  if (row && lane == 0 && a.act_q == nullptr) a.act[slot * a.ffn + r] = v;
   if (groups) store_block_act_groups(a.act_q + slot * a.act_q_stride, tile, a.ffn, v);
 }
 

@@ -7,12 +7,12 @@
 namespace tm_cuda {
 namespace {
 
-// acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]).
-template <Fmt F, int NR, bool V>
+// acc + sum over slots [s, s + NR) in order of w_eff * dot(W_down[e][r], act[t, s]) (Q: act's groups a.act_q).
+template <Fmt F, int NR, bool V, bool Q>
 __device__ __forceinline__ float down_group(const DownArgs& a, int64_t t, int64_t r, int64_t s, bool gated,
                                             float gate, float acc) {
   float d[NR][1], w_eff[NR];
-  down_dots<F, NR, V>(a, t, r, s, gated, gate, d, w_eff);
+  down_dots<F, NR, V, false, Q>(a, t, r, s, gated, gate, d, w_eff);
 #pragma unroll
   for (int i = 0; i < NR; ++i) acc = __fadd_rn(acc, __fmul_rn(w_eff[i], d[i][0]));
   return acc;
@@ -30,7 +30,7 @@ __device__ __forceinline__ void for_slot_groups(int64_t begin, int64_t end, Fn&&
   if (end - s >= 1) fn(s, std::integral_constant<int, 1>{});
 }
 
-template <Fmt F, bool V>
+template <Fmt F, bool V, bool Q>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
     moe_down_kernel(DownArgs a, const float* __restrict__ gate_inp, const float* __restrict__ h, float* x,
                     int64_t slot_begin, int64_t slot_count, int gate_mode, int64_t tok0) {
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, TM_WEIGHT_MIN_BLOCKS)
   float* xo = x + t * a.hidden + r;
   float acc = __ldcg(xo);  // in place: read around L1 (common.cuh)
   for_slot_groups(slot_begin, slot_begin + slot_count, [&](int64_t s, auto n) {
-    acc = down_group<F, decltype(n)::value, V>(a, t, r, s, gated, gate, acc);
+    acc = down_group<F, decltype(n)::value, V, Q>(a, t, r, s, gated, gate, acc);
   });
   if (lane == 0) *xo = acc;
 }
@@ -89,9 +89,13 @@ int launch_moe_down(const Limits& lim, const char* fn, int qtype, const DownArgs
   return dispatch_fmt(fmt_for(qtype, a.ffn), v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
+    // given act's groups (tm_experts_down_accumulate's two launches), tiled rows multiply them, not act
+    auto kernel = moe_down_kernel<F, V, false>;
+    if constexpr (fmt_tiled(F))
+      if (a.act_q != nullptr) kernel = moe_down_kernel<F, V, true>;
     for (int64_t t0 = 0; t0 < n_tokens; t0 += lim.max_grid_yz) {
       const int64_t gy = n_tokens - t0 < lim.max_grid_yz ? n_tokens - t0 : lim.max_grid_yz;
-      TM_TRY(launch(lim, fn, moe_down_kernel<F, V>, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+      TM_TRY(launch(lim, fn, kernel, dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
                     dim3(kRowsPerBlock * 32), 0, s, a, gate_inp, h, x, slot_begin, slot_count, gate_mode, t0));
     }
     return TM_OK;

@@ -298,7 +298,9 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * gate_inp_sh and h (the same bits), for tm_experts_down_accumulate to read instead of computing it in every
  * block. gate_sh must be given exactly when gate_inp_sh is. act_groups_sh and act_groups (both or neither;
  * [T, tm_act_groups_bytes(ffn_sh)] and [T, top_k, tm_act_groups_bytes(ffn)] bytes, ffn_sh and ffn multiples of 4):
- * also act_sh's and act's int8 groups, for tm_experts_down_accumulate. */
+ * act_sh's and act's int8 groups instead of the floats, for tm_experts_down_accumulate, which then reads only the
+ * groups: act_sh and act become work space that the one-launch path does not write (its blocks' float stores
+ * cost the decode step ~0.5%). */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
@@ -331,8 +333,9 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  * gate. next_norm_w, xw and xss (all or none; float32 [hidden], [T, hidden] and [T, tm_norm_groups(hidden)]): also
  * xw[t, r] = x[t, r] * next_norm_w[r], the first factor of the next normalisation, and xss, the partial sums of
  * squares of the x written here (both as tm_rmsnorm_factors writes them), so that the next layer's tm_qkv_rope need
- * not compute them. act_groups_sh and act_groups (both or neither): act_sh's and act's int8 groups as
- * tm_router_experts_gate_up wrote them, read instead of the floats. xw_groups (nullable, only with xw, hidden a
+ * not compute them. act_groups_sh and act_groups (both or neither; qtype TM_Q8_0_TILED): act_sh's and act's int8
+ * groups as tm_router_experts_gate_up wrote them, read instead of the floats (act_sh and act are then not read;
+ * the groups' values are what Q8_0 rows multiply anyway, so x has the bits of the call given the floats). xw_groups (nullable, only with xw, hidden a
  * multiple of 4; [T, tm_act_groups_bytes(hidden)] bytes): also xw's int8 groups, for tm_qkv_rope. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,

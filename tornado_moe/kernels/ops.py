@@ -400,7 +400,9 @@ def router_experts_gate_up(
     gate row ``gate_inp_sh`` it also writes ``gate_sh[t] = sigmoid(gate_inp_sh . h[t])`` (float32
     [n_tokens]), the factor experts_down_accumulate then reads instead of computing it in each of its
     blocks. ``act_groups_sh`` and ``act_groups`` (uint8, both or neither: [n_tokens, act_groups_bytes(ffn_sh)]
-    and [n_tokens, top_k, act_groups_bytes(ffn)]): also act_sh's and act's int8 groups, for the down."""
+    and [n_tokens, top_k, act_groups_bytes(ffn)]): act_sh's and act's int8 groups instead of the floats, for
+    the down, which then reads only them: act_sh and act become work space that the one-launch CUDA path does
+    not write (the floats' stores cost its blocks ~0.5% of the decode step)."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                   n_experts, hidden, top_k, normalize, ffn, scratch, act_groups_sh,
@@ -538,9 +540,10 @@ def experts_down_accumulate(
     shared term's gate comes from at most one of ``gate_inp_sh`` (computed here from h) and ``gate_sh`` (the
     factors router_experts_gate_up wrote: the same bits). With ``next_norm_w`` also ``xw`` = x * next_norm_w
     and ``xss``, x's partial sums of squares: the next normalisation's factors as rmsnorm_factors writes them,
-    for the next layer's qkv_rope. ``act_groups_sh``/``act_groups``: the activations' int8 groups as
-    router_experts_gate_up wrote them (read instead of the floats: the same values); ``xw_groups`` (with xw):
-    also xw's groups, for qkv_rope."""
+    for the next layer's qkv_rope. ``act_groups_sh``/``act_groups`` (qtype Q8_0_TILED): the activations'
+    int8 groups as router_experts_gate_up wrote them, read instead of the floats (act_sh and act are then not
+    read; the groups' values are what Q8_0 rows multiply, so the same bits); ``xw_groups`` (with xw): also
+    xw's groups, for qkv_rope."""
     _ops().experts_down_accumulate(qtype, w_down_sh, act_sh, gate_inp_sh, gate_sh, ffn_sh, w_down, act, ids,
                                    weights, h, x, next_norm_w, xw, xss, n_tokens, top_k, n_experts, hidden,
                                    ffn, act_groups_sh, act_groups, xw_groups, stream_of(x))
