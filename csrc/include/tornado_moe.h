@@ -335,8 +335,9 @@ TM_API int tm_moe_down_accumulate(tm_device device, int qtype, const void* w_dow
  * squares of the x written here (both as tm_rmsnorm_factors writes them), so that the next layer's tm_qkv_rope need
  * not compute them. act_groups_sh and act_groups (both or neither; qtype TM_Q8_0_TILED): act_sh's and act's int8
  * groups as tm_router_experts_gate_up wrote them, read instead of the floats (act_sh and act are then not read;
- * the groups' values are what Q8_0 rows multiply anyway, so x has the bits of the call given the floats). xw_groups (nullable, only with xw, hidden a
- * multiple of 4; [T, tm_act_groups_bytes(hidden)] bytes): also xw's int8 groups, for tm_qkv_rope. */
+ * the groups' values are what Q8_0 rows multiply anyway, so x has the bits of the call given the floats).
+ * xw_groups (nullable, only with xw, hidden a multiple of 4; [T, tm_act_groups_bytes(hidden)] bytes): also xw's
+ * int8 groups, for tm_qkv_rope. */
 TM_API int tm_experts_down_accumulate(tm_device device, int qtype, const void* w_down_sh, const float* act_sh,
                                       const float* gate_inp_sh, const float* gate_sh, int64_t ffn_sh,
                                       const void* w_down,
