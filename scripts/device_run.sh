@@ -32,6 +32,8 @@
 # under each setting, e.g. `nopdl:TORNADO_MOE_PDL=0`);
 # BENCH_STEPS (the bench stage's --steps-per-graph, e.g. `1,8`: every variant once per count);
 # TESTS_MUST_PASS=1: stop after the tests stage if a test failed; FFN_PICK=1 (see below);
+# REQUIRE_GPU=H200: stop at once (exit 3, nothing run, $OUT/gpu.txt names the card) unless the GPU's name holds
+# that text, so that a call meant for one kind of card costs only the machine's start when another comes;
 # ncu: NCU_KERNELS (kernel name regex), NCU_ONLY (kernel_bench's --only), NCU_KB_ARGS (more kernel_bench arguments,
 # e.g. `--att-contexts 16,128`), NCU_COUNT, NCU_SKIP, NCU_SECTIONS (more
 # sections or flags, e.g. `--print-details all`), NCU_TREE (a tuning build's name: profile that build).
@@ -41,6 +43,11 @@ export PYTHONUNBUFFERED=1
 OUT_TOP=${OUT:-/tmp/out}; OUT=$OUT_TOP/r; rm -rf "$OUT"; mkdir -p "$OUT"  # a reused machine may hold old results
 trap 'tar czf "$OUT_TOP/results.tgz" -C "$OUT_TOP" r && rm -rf "$OUT"' EXIT
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
+if [ -n "${REQUIRE_GPU:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "$gpu" > "$OUT/gpu.txt"
+  [[ "$gpu" == *"$REQUIRE_GPU"* ]] || { echo "GPU '$gpu' is not a $REQUIRE_GPU: stopping at once"; exit 3; }
+fi
 if [ -f .device_commit ]; then
   carried=$(tr -d '[:space:]' < .device_commit)
   if [ -n "${TORNADO_MOE_GIT_COMMIT:-}" ] && [ "$TORNADO_MOE_GIT_COMMIT" != "$carried" ]; then
