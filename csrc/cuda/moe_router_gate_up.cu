@@ -20,6 +20,12 @@ namespace {
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
+// TM_RGU_DEFERRED_Q8_PROBE=1: the shared blocks multiply int8 groups at once (the scratch's h groups, stale: wrong
+// results), with neither the norm nor the quantization of h: the bound of a deferred norm whose producer
+// (attn_output) writes x * norm_w's groups, as the down does for qkv (results/NOTES.md lesson 180).
+#ifndef TM_RGU_DEFERRED_Q8_PROBE
+#define TM_RGU_DEFERRED_Q8_PROBE 0
+#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -237,6 +243,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
+#elif TM_RGU_DEFERRED_Q8_PROBE  // timing only: stale int8 groups in place of h's (wrong results)
+    (void)hbuf;
+    if constexpr (fmt_tiled(F))
+      gate_up_block<F, V>(sh, static_cast<const uint8_t*>(h_groups) + p.pair * q8act_bytes(hidden), 0, nblocks,
+                          p.pair, p.tile);
+    else
+      gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
