@@ -146,9 +146,13 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
 // With a.act_q the block stores its rows' int8 groups instead of the floats (store_block_act_groups: the whole
 // block calls this).
-template <Fmt F, bool V, class XT = float>
+// DN (the FFN side's deferred norm, priced by TM_RGU_DEFERRED_Q8_PROBE=2; results/NOTES.md lesson 180): h is
+// x * norm_w (its groups) and each warp scales its two dots by token t's inv from x's group sums x_sums (dim values
+// a token, norm.cuh's deferred form) before the SwiGLU.
+template <Fmt F, bool V, class XT = float, bool DN = false>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
-                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
+                                              int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
+                                              const float* x_sums = nullptr, int64_t dim = 0, float eps = 0.0f) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
   const bool row = r < a.ffn;
@@ -167,7 +171,13 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
     else
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
-    v = __fmul_rn(silu_f32(gu[0][0]), gu[1][0]);
+    float g = gu[0][0], u = gu[1][0];
+    if constexpr (DN) {
+      const float inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
+      g = __fmul_rn(g, inv);
+      u = __fmul_rn(u, inv);
+    }
+    v = __fmul_rn(silu_f32(g), u);
   }
   // With groups the consumer reads only them (tornado_moe.h): no floats. Their stores cost 0.5% of the decode
   // step on an H100 and 0.4% on the H200 (results/NOTES.md lesson 177).
