@@ -23,6 +23,18 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kTokenTile = 4;
+
+// TM_MATMUL_NORM_PROBE=1 (timing only; results/NOTES.md lesson 180): the one-row, one-token matmul (attn_output in
+// decode) also does the epilogue a deferred FFN norm would give it: each warp's new value into shared memory, one
+// barrier, then per group of 4 rows its sum of squares and its int8 group, stored to a scratch of the probe's own
+// (the norm weight taken as 1). Needs rows % 8 == 0 (every warp of a block reaches the barrier).
+#ifndef TM_MATMUL_NORM_PROBE
+#define TM_MATMUL_NORM_PROBE 0
+#endif
+#if TM_MATMUL_NORM_PROBE
+__device__ float g_norm_probe_sums[1 << 14];
+__device__ __align__(16) uint8_t g_norm_probe_groups[1 << 15];
+#endif
 // Decode calls with at least this many rows per SM give each warp 2 rows: the activation loads (4 bytes per
 // weight value, the larger part of the L1 traffic) are then shared by two rows.
 constexpr int64_t kPairRowsPerSm = 64;
@@ -92,6 +104,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     dot(out);
     float sc = 1.0f;
     if constexpr (S) sc = token_scale(0);
+#if TM_MATMUL_NORM_PROBE
+    __shared__ float s_rows[kWarpsPerBlock];
+    if (lane == 0) {
+      float v = out[0][0];
+      if constexpr (S) v = __fmul_rn(v, sc);
+      if (bias != nullptr) v = __fadd_rn(v, b);
+      const float yn = accumulate ? __fadd_rn(y_in, v) : v;
+      if (owner) *o = yn;
+      s_rows[warp] = yn;
+    }
+    __syncthreads();
+    if (warp == 0 && lane < 2) {
+      const float* q = s_rows + 4 * lane;
+      const int64_t g = static_cast<int64_t>(blockIdx.x) * 2 + lane;
+      g_norm_probe_sums[g & ((1 << 14) - 1)] = group_sum_sq([&](int64_t i) { return q[i - 4 * g]; }, g, rows);
+      store_q8act(g_norm_probe_groups, g & ((1 << 12) - 1), tm_act::q8_group(q[0], q[1], q[2], q[3]));
+    }
+    return;
+#endif
     if (!owner) return;
     float v = out[0][0];
     if constexpr (S) v = __fmul_rn(v, sc);
