@@ -23,8 +23,8 @@ namespace {
 // TM_RGU_DEFERRED_Q8_PROBE=1: the shared blocks multiply int8 groups at once (the scratch's h groups, stale: wrong
 // results), with neither the norm nor the quantization of h: the bound of a deferred norm whose producer
 // (attn_output) writes x * norm_w's groups, as the down does for qkv (results/NOTES.md lesson 180). 2: also each
-// warp scales its dots by an inv summed from 2 KB after them (x's first 512 values standing in for the group sums):
-// the product form's cost in the gate-up.
+// warp scales its dots by an inv summed from 2 KB loaded after them (x's first 512 values standing in for the
+// group sums): the product form's cost in the gate-up; 3: the same 2 KB copied into shared memory before the dots.
 #ifndef TM_RGU_DEFERRED_Q8_PROBE
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
 #elif TM_RGU_DEFERRED_Q8_PROBE  // timing only: stale int8 groups in place of h's (wrong results)
     (void)hbuf;
     if constexpr (fmt_tiled(F))
-      gate_up_block<F, V, uint8_t, TM_RGU_DEFERRED_Q8_PROBE == 2>(
+      gate_up_block<F, V, uint8_t, TM_RGU_DEFERRED_Q8_PROBE - 1>(
           sh, static_cast<const uint8_t*>(h_groups) + p.pair * q8act_bytes(hidden), 0, nblocks, p.pair, p.tile, -1,
           ra.x, hidden, ra.eps);
     else
