@@ -104,13 +104,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     dot(out);
     float sc = 1.0f;
     if constexpr (S) sc = token_scale(0);
-#if TM_MATMUL_NORM_PROBE
-    __shared__ float s_rows[kWarpsPerBlock];
-    if (lane == 0) {
+    const auto y_new = [&]() {  // lane 0's result: the dot, scaled, plus the bias, added to y when accumulating
       float v = out[0][0];
       if constexpr (S) v = __fmul_rn(v, sc);
       if (bias != nullptr) v = __fadd_rn(v, b);
-      const float yn = accumulate ? __fadd_rn(y_in, v) : v;
+      return accumulate ? __fadd_rn(y_in, v) : v;
+    };
+#if TM_MATMUL_NORM_PROBE
+    __shared__ float s_rows[kWarpsPerBlock];
+    if (lane == 0) {
+      const float yn = y_new();
       if (owner) *o = yn;
       s_rows[warp] = yn;
     }
@@ -124,10 +127,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     return;
 #endif
     if (!owner) return;
-    float v = out[0][0];
-    if constexpr (S) v = __fmul_rn(v, sc);
-    if (bias != nullptr) v = __fadd_rn(v, b);
-    *o = accumulate ? __fadd_rn(y_in, v) : v;
+    *o = y_new();
     return;
   }
   float out[NR][NT];

@@ -150,7 +150,8 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // x * norm_w (its groups) and each warp scales its two dots by token t's inv from x's group sums x_sums (dim values
 // a token, norm.cuh's deferred form) before the SwiGLU: DN = 1 loads the sums after the dots
 // (warp_grouped_inv_ldg), DN = 2 copies them into the warp's shared memory before the dots (cp.async: no register
-// held across them, no round trip after them) and sums them there in warp_grouped_inv_ldg's order (dim 2,048).
+// held across them, no round trip after them) and sums them there (warp_grouped_inv_quads; dim 2,048: 4 quads a
+// lane).
 template <Fmt F, bool V, class XT = float, int DN = 0>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
@@ -190,13 +191,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
         inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
       } else {
         cp_async_wait_all();  // this lane's own copies: no other lane's to wait for
-        float ss = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float4 q = sums[4 * lane + k];
-          ss = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, q.x), q.y), q.z), q.w);
-        }
-        inv = rms_inv_from_sum(warp_sum(ss), dim, eps);
+        inv = warp_grouped_inv_quads([&](int64_t k) { return sums[4 * lane + k]; }, dim, eps);
       }
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);

@@ -166,16 +166,23 @@ __device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, 
 __device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
   return norm_groups(dim) % 128 == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
 }
-__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+// quad(k): this lane's k-th 16 bytes of its chunk, wherever the caller keeps them (global memory, a copy in
+// shared memory): the same sums in the same order, so the same inv.
+template <class Quad>
+__device__ __forceinline__ float warp_grouped_inv_quads(Quad quad, int64_t dim, float eps) {
   const int64_t quads = norm_lane_chunk(dim) / 4;
-  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
   float ss = 0.0f;
 #pragma unroll 4
   for (int64_t k = 0; k < quads; ++k) {
-    const float4 v = __ldg(p + k);
+    const float4 v = quad(k);
     ss = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
   }
   return rms_inv_from_sum(warp_sum(ss), dim, eps);
+}
+__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
+  return warp_grouped_inv_quads([p](int64_t k) { return __ldg(p + k); }, dim, eps);
 }
 
 }  // namespace tm_cuda
