@@ -132,15 +132,6 @@ __device__ __forceinline__ void named_barrier(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
-// 16 bytes from global into shared memory without a register (cp.async, around L1), and the waits for this
-// thread's copies: a copy issued early lands while the thread works on something else.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Before pdl_wait, the value a small device word (the decode position) holds now: a guess only, since the previous
 // kernel may still rewrite it. A kernel uses it for work it checks after pdl_wait (hints, or results it recomputes
 // when the word moved), never for a result as it stands. Volatile: the load is issued where it is written.

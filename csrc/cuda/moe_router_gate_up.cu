@@ -24,7 +24,8 @@ namespace {
 // results), with neither the norm nor the quantization of h: the bound of a deferred norm whose producer
 // (attn_output) writes x * norm_w's groups, as the down does for qkv (results/NOTES.md lesson 180). 2: also each
 // warp scales its dots by an inv summed from 2 KB loaded after them (x's first 512 values standing in for the
-// group sums): the product form's cost in the gate-up; 3: the same 2 KB copied into shared memory before the dots.
+// group sums): the product form's cost in the gate-up; 3: the same 2 KB loaded ahead of the dots and held in
+// registers across them (norm.cuh's load_sums_ahead).
 #ifndef TM_RGU_DEFERRED_Q8_PROBE
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif

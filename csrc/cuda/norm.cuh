@@ -166,23 +166,43 @@ __device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, 
 __device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
   return norm_groups(dim) % 128 == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
 }
-// quad(k): this lane's k-th 16 bytes of its chunk, wherever the caller keeps them (global memory, a copy in
-// shared memory): the same sums in the same order, so the same inv.
-template <class Quad>
-__device__ __forceinline__ float warp_grouped_inv_quads(Quad quad, int64_t dim, float eps) {
-  const int64_t quads = norm_lane_chunk(dim) / 4;
-  float ss = 0.0f;
-#pragma unroll 4
-  for (int64_t k = 0; k < quads; ++k) {
-    const float4 v = quad(k);
-    ss = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
-  }
-  return rms_inv_from_sum(warp_sum(ss), dim, eps);
+// One quad of sums added to a lane's running sum, in order.
+__device__ __forceinline__ float add_quad(float ss, float4 v) {
+  return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
 }
 __device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
   const int64_t quads = norm_lane_chunk(dim) / 4;
   const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
-  return warp_grouped_inv_quads([p](int64_t k) { return __ldg(p + k); }, dim, eps);
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, __ldg(p + k));
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
+}
+// The same inv with the sums loaded ahead of a warp's dot products and held in registers across them (16 a lane at
+// dim 2,048), added after them: their round trip overlaps the dots instead of following them (results/NOTES.md
+// lesson 181). Held where a lane's chunk is at most kAheadQuads whole quads.
+constexpr int kAheadQuads = 4;
+struct SumsAhead {
+  float4 q[kAheadQuads];
+};
+__device__ __forceinline__ bool sums_ahead_ok(const float* sums, int64_t dim) {
+  return grouped_inv_vector_ok(sums, dim) && norm_lane_chunk(dim) <= 4 * kAheadQuads;
+}
+__device__ __forceinline__ SumsAhead load_sums_ahead(const float* sums, int64_t dim) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
+  SumsAhead s;
+#pragma unroll
+  for (int k = 0; k < kAheadQuads; ++k) s.q[k] = k < quads ? __ldg(p + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return s;
+}
+__device__ __forceinline__ float warp_grouped_inv_ahead(const SumsAhead& s, int64_t dim, float eps) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kAheadQuads; ++k)
+    if (k < quads) ss = add_quad(ss, s.q[k]);
+  return rms_inv_from_sum(warp_sum(ss), dim, eps);
 }
 
 }  // namespace tm_cuda

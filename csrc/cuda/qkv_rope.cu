@@ -36,6 +36,10 @@ __host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
 #endif
+// TM_QKV_SUMS_AHEAD=0: inv's sums loaded after the dot products (v22 and before).
+#ifndef TM_QKV_SUMS_AHEAD
+#define TM_QKV_SUMS_AHEAD 1
+#endif
 template <Fmt F>
 constexpr int qkv_min_blocks() {
   return fmt_tiled(F) ? TM_QKV_MIN_BLOCKS : 0;
@@ -111,6 +115,11 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     sums = sss;
   }
   if (!active) return;
+  // xw's sums ahead of the dot products where they fit in registers (norm.cuh: the same inv, the round trip off
+  // the warp's tail; results/NOTES.md lesson 181)
+  const bool ahead = TM_QKV_SUMS_AHEAD && a.xw != nullptr && sums_ahead_ok(sums, a.hidden);
+  SumsAhead held;
+  if (ahead) held = load_sums_ahead(sums, a.hidden);
   float out[2][1] = {{0.0f}, {0.0f}};
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   if constexpr (Q) {
@@ -122,7 +131,8 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   }
   // inv by this warp alone, after its dot products, from the sums in shared memory or through L1 (2 KB for a
   // 2048-value row; written before pdl_wait returned, never during this grid)
-  const float inv = a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
+  const float inv = ahead ? warp_grouped_inv_ahead(held, a.hidden, a.eps)
+                    : a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
                     : grouped_inv_vector_ok(sums, a.hidden)
                         ? warp_grouped_inv_ldg(sums, a.hidden, a.eps)
                         : warp_grouped_inv([&](int64_t g) { return __ldg(sums + g); }, a.hidden, a.eps);
