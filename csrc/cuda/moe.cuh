@@ -146,10 +146,10 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
 // With a.act_q the block stores its rows' int8 groups instead of the floats (store_block_act_groups: the whole
 // block calls this).
-// DN (the FFN side's deferred norm, priced by TM_RGU_DEFERRED_Q8_PROBE=2 and 3; results/NOTES.md lessons 180-181):
+// DN = 1 (the FFN side's deferred norm, priced by TM_RGU_DEFERRED_Q8_PROBE=2; results/NOTES.md lessons 180-182):
 // h is x * norm_w (its groups) and each warp scales its two dots by token t's inv from x's group sums x_sums (dim
-// values a token, norm.cuh's deferred form) before the SwiGLU: DN = 1 loads the sums after the dots
-// (warp_grouped_inv_ldg), DN = 2 ahead of them (load_sums_ahead: held in registers across the dots).
+// values a token, norm.cuh's deferred form), loaded after the dots, before the SwiGLU. (The sums held in registers
+// across the dots measured slower at this kernel's 64-register cap: lesson 182.)
 template <Fmt F, bool V, class XT = float, int DN = 0>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
@@ -163,8 +163,6 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
   const int64_t slot = static_cast<int64_t>(t) * a.top_k + a.slot_begin + (pair - t * slots);
   const int64_t e = e_given >= 0 ? e_given : slot_expert(a, slot);
   float v = kNaN;  // an expert id out of range gives NaN rows
-  [[maybe_unused]] SumsAhead ahead;
-  if constexpr (DN == 2) ahead = load_sums_ahead(x_sums + t * norm_groups(dim), dim);
   if (row && e >= 0 && e < a.n_experts) {
     const int64_t off = (e * a.ffn + r) * a.row_bytes;
     const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
@@ -176,11 +174,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
     if constexpr (DN != 0) {
-      float inv;
-      if constexpr (DN == 1)
-        inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
-      else
-        inv = warp_grouped_inv_ahead(ahead, dim, eps);
+      const float inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);
     }
