@@ -94,8 +94,13 @@ def test_matmul_tiled_with_two_rows_per_warp_is_gguf_layout_bitwise(device: str)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("hidden,n_heads,head_dim", [(512, 4, 128), (384, 6, 64)])
+# 1024 and 2048: 256 and 512 sums, which CUDA loads ahead of the dot products when a kernel before it wrote
+# them (two and four 16-byte quads a lane); 4096: more than it holds ahead
+@pytest.mark.parametrize("hidden,n_heads,head_dim",
+                         [(512, 4, 128), (384, 6, 64), (1024, 2, 64), (2048, 2, 64), (4096, 2, 64)])
 def test_qkv_rope_tiled_is_gguf_layout_bitwise(device: str, hidden: int, n_heads: int, head_dim: int) -> None:
+    """Tiled rows give the GGUF layout's bits; so do xw, its sums and its int8 groups given by the kernel
+    before (the decode chain's form) instead of computed in qkv_rope."""
     rng = np.random.default_rng(4 + hidden)
     n_tokens, n_kv, max_ctx, pos0 = 2, n_heads // 2, 8, 3
     x, norm_w = randn(rng, (n_tokens, hidden), device), randn(rng, (hidden,), device)
@@ -111,8 +116,20 @@ def test_qkv_rope_tiled_is_gguf_layout_bitwise(device: str, hidden: int, n_heads
         K.qkv_rope(qtype, x, None, None, norm_w, 1e-6, wq, wk, wv, bq, bk, bv, q, kc, vc, pos, n_tokens,
                    hidden, n_heads, n_kv, head_dim, max_ctx, 10000.0, True)
         results.append((q, kc, vc))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    xw, inv = torch.empty_like(x), torch.empty(n_tokens, device=device)
+    xss = torch.empty(n_tokens, K.norm_groups(hidden), device=device)
+    K.rmsnorm_factors(x, norm_w, xw, xss, inv, n_tokens, hidden, 1e-6)
+    for xw_groups in (None, ref.act_groups(xw).to(device)):
+        q = torch.full((n_tokens, n_heads * head_dim), float("nan"), device=device)
+        kc = torch.zeros(max_ctx, n_kv * head_dim, device=device)
+        vc = torch.zeros(max_ctx, n_kv * head_dim, device=device)
+        K.qkv_rope(Q8_0_TILED, x, xw, xss, norm_w, 1e-6, *(w[1] for w in ws), bq, bk, bv, q, kc, vc, pos,
+                   n_tokens, hidden, n_heads, n_kv, head_dim, max_ctx, 10000.0, True, xw_groups)
+        results.append((q, kc, vc))
+    assert not torch.isnan(results[0][0]).any()
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -129,8 +129,9 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
     const float* xs[1] = {act};
     warp_dot<F, 2, 1, true, V>(rows, xs, a.nblocks, out);
   }
-  // inv by this warp alone, after its dot products, from the sums in shared memory or through L1 (2 KB for a
-  // 2048-value row; written before pdl_wait returned, never during this grid)
+  // inv by this warp alone, after its dot products: from the sums held since before them, or from the sums in
+  // shared memory or through L1 (2 KB for a 2048-value row; written before pdl_wait returned, never during this
+  // grid)
   const float inv = ahead ? warp_grouped_inv_ahead(held, a.hidden, a.eps)
                     : a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
                     : grouped_inv_vector_ok(sums, a.hidden)
