@@ -98,13 +98,24 @@ TM_HOST_DEVICE constexpr int64_t group_offset(int64_t j) {
 }
 
 #if !defined(__CUDA_ARCH__)
+// Group j in the layout above at buf: its codes at group_offset(j), its scale 512 bytes further.
+inline void store_group(uint8_t* buf, int64_t j, const Q8Group& g) {
+  std::memcpy(buf + group_offset(j), &g.codes, 4);
+  std::memcpy(buf + group_offset(j) + 512, &g.scale, 4);
+}
+inline Q8Group load_group(const uint8_t* buf, int64_t j) {
+  Q8Group g;
+  std::memcpy(&g.codes, buf + group_offset(j), 4);
+  std::memcpy(&g.scale, buf + group_offset(j) + 512, 4);
+  return g;
+}
+// Value i of the 4 a group stands for.
+inline float group_value(const Q8Group& g, int i) { return static_cast<float>(group_code(g.codes, i)) * g.scale; }
+
 // The groups of x[0 .. n) (n a multiple of 4) in the layout above at buf.
 inline void store_groups(const float* x, uint8_t* buf, int64_t n) {
-  for (int64_t j = 0; j < n / 4; ++j) {
-    const Q8Group g = q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
-    std::memcpy(buf + group_offset(j), &g.codes, 4);
-    std::memcpy(buf + group_offset(j) + 512, &g.scale, 4);
-  }
+  for (int64_t j = 0; j < n / 4; ++j)
+    store_group(buf, j, q8_group(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]));
 }
 
 // The groups of rows x[rows, n] into q, groups_bytes(n) bytes a row: what the GPU's producers store.
@@ -115,16 +126,11 @@ inline void store_row_groups(const float* x, uint8_t* q, int64_t rows, int64_t n
 // The values the groups of rows [rows, n] at q (groups_bytes(n) bytes a row) stand for, into x: q8_round's values
 // of the floats they were made from.
 inline void load_row_groups(const uint8_t* q, float* x, int64_t rows, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* buf = q + r * groups_bytes(n);
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < n / 4; ++j) {
-      uint32_t codes;
-      float scale;
-      std::memcpy(&codes, buf + group_offset(j), 4);
-      std::memcpy(&scale, buf + group_offset(j) + 512, 4);
-      for (int i = 0; i < 4; ++i) x[r * n + 4 * j + i] = static_cast<float>(group_code(codes, i)) * scale;
+      const Q8Group g = load_group(q + r * groups_bytes(n), j);
+      for (int i = 0; i < 4; ++i) x[r * n + 4 * j + i] = group_value(g, i);
     }
-  }
 }
 
 // The values the groups of x[0 .. n) stand for (n a multiple of 4), into out (may be x): what a Q8_0 dot product
@@ -132,7 +138,7 @@ inline void load_row_groups(const uint8_t* q, float* x, int64_t rows, int64_t n)
 inline void q8_round(const float* x, float* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 4) {
     const Q8Group g = q8_group(x[j], x[j + 1], x[j + 2], x[j + 3]);
-    for (int i = 0; i < 4; ++i) out[j + i] = static_cast<float>(group_code(g.codes, i)) * g.scale;
+    for (int i = 0; i < 4; ++i) out[j + i] = group_value(g, i);
   }
 }
 #endif
