@@ -149,7 +149,8 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // DN = 1 (the FFN side's deferred norm, priced by TM_RGU_DEFERRED_Q8_PROBE=2; results/NOTES.md lessons 180-182):
 // h is x * norm_w (its groups) and each warp scales its two dots by token t's inv from x's group sums x_sums (dim
 // values a token, norm.cuh's deferred form), loaded after the dots, before the SwiGLU. (The sums held in registers
-// across the dots measured slower at this kernel's 64-register cap: lesson 182.)
+// across the dots measured slower at this kernel's 64-register cap: lesson 182.) DN = 2: each lane adds its chunk
+// of the sums before the dots and holds only that sum across them (lesson 184; the same inv).
 template <Fmt F, bool V, class XT = float, int DN = 0>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1,
@@ -167,6 +168,9 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const int64_t off = (e * a.ffn + r) * a.row_bytes;
     const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
     const XT* xs[1] = {h + t * h_stride};
+    // DN = 2: each lane adds its chunk of the sums before the dots and holds that one float across them
+    float lane_ss = 0.0f;
+    if constexpr (DN == 2) lane_ss = lane_grouped_sum_ldg(x_sums + t * norm_groups(dim), dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
@@ -174,7 +178,11 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
     if constexpr (DN != 0) {
-      const float inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
+      float inv;
+      if constexpr (DN == 2)
+        inv = rms_inv_from_sum(warp_sum(lane_ss), dim, eps);
+      else
+        inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);
     }

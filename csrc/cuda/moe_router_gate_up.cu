@@ -24,11 +24,12 @@ namespace {
 // results), with neither the norm nor the quantization of h: the bound of a deferred norm whose producer
 // (attn_output) writes x * norm_w's groups, as the down does for qkv (results/NOTES.md lesson 180). 2: also each
 // warp scales its dots by an inv summed from 2 KB loaded after them (x's first 512 values standing in for the
-// group sums): the product form's cost in the gate-up.
+// group sums): the product form's cost in the gate-up. 3: as 2, each lane's chunk of the sums added before the
+// dots (one register held across them; lesson 184).
 #ifndef TM_RGU_DEFERRED_Q8_PROBE
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif
-static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 2, "TM_RGU_DEFERRED_Q8_PROBE: 0, 1 or 2");
+static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "TM_RGU_DEFERRED_Q8_PROBE: 0 to 3");
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,

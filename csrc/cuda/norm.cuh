@@ -170,13 +170,18 @@ __device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t
 __device__ __forceinline__ float add_quad(float ss, float4 v) {
   return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
 }
-__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+// A lane's part of it (its chunk's sum, in order), so that a caller may add its chunk before its dot products and
+// hold one register across them instead of the chunk's 16 (results/NOTES.md lesson 184).
+__device__ __forceinline__ float lane_grouped_sum_ldg(const float* sums, int64_t dim) {
   const int64_t quads = norm_lane_chunk(dim) / 4;
   const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
   float ss = 0.0f;
 #pragma unroll 4
   for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, __ldg(p + k));
-  return rms_inv_from_sum(warp_sum(ss), dim, eps);
+  return ss;
+}
+__device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
+  return rms_inv_from_sum(warp_sum(lane_grouped_sum_ldg(sums, dim)), dim, eps);
 }
 // The same inv with the sums loaded ahead of a warp's dot products and held in registers across them (16 a lane at
 // dim 2,048), added after them: their round trip overlaps the dots instead of following them (results/NOTES.md
