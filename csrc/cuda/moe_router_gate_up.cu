@@ -30,6 +30,13 @@ namespace {
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif
 static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "TM_RGU_DEFERRED_Q8_PROBE: 0 to 3");
+// TM_RGU_SHARED_PEEK=1 (a measurement knob, the same bits; results/NOTES.md lesson 185): a shared block beyond the
+// first wave (blockIdx from %nsmid x 4 blocks an SM on) reads h_ready first and, when router block 0 has released
+// h and its int8 groups for this call, multiplies those groups (the same tree, the same groups) instead of
+// normalising x itself; else it normalises x as the others do.
+#ifndef TM_RGU_SHARED_PEEK
+#define TM_RGU_SHARED_PEEK 0
+#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -244,6 +251,29 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
+#if TM_RGU_SHARED_PEEK
+    if constexpr (fmt_tiled(F)) {
+      uint32_t sms;
+      asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+      if (blockIdx.x >= sms * gate_up_min_blocks(F)) {
+        __shared__ int s_released;
+        const RouterSync sy = router_sync(sync, h_groups, n_tokens);
+        if (threadIdx.x == 0) {
+          // This call's tag is its epoch + 1; a ticket word already at the next epoch gives a tag no flag holds yet
+          // (the block then normalises x itself).
+          const uint32_t epoch = static_cast<uint32_t>(ld_relaxed_u64(sy.ticket) >> 32);
+          s_released = tag_of(ld_acquire_u64(sy.h_ready + p.pair)) == epoch + 1;
+        }
+        __syncthreads();
+        if (s_released) {
+          stamp(3);
+          gate_up_block<F, V>(sh, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair, p.tile);
+          stamp_end();
+          return;
+        }
+      }
+    }
+#endif
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
