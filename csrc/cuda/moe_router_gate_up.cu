@@ -37,6 +37,13 @@ static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "T
 #ifndef TM_RGU_SHARED_PEEK
 #define TM_RGU_SHARED_PEEK 0
 #endif
+// TM_RGU_TICKET_PEEK=1 (a measurement knob, the same bits; lesson 185): in a step of one token, thread 0 of a
+// ticketed block reads the token's ids_ready and h_ready words right after issuing its ticket's atomic (a decode
+// step's routed blocks all wait for token 0, whatever tile the ticket gives), so that a routed block started after
+// the router's release has its ticket, its expert id and h in one round trip and one barrier instead of two each.
+#ifndef TM_RGU_TICKET_PEEK
+#define TM_RGU_TICKET_PEEK 0
+#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -305,13 +312,28 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const RouterSync sy = router_sync(sync, h_groups, n_tokens);
+#if TM_RGU_TICKET_PEEK
+  __shared__ uint32_t s_peek_ids;
+  __shared__ int s_peek_ok;
+#endif
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
+#if TM_RGU_TICKET_PEEK
+    unsigned long long w0 = 0, f0 = 0;
+    if (n_tokens == 1) {
+      w0 = ld_relaxed_u64(sy.ids_ready);
+      f0 = ld_acquire_u64(sy.h_ready);
+    }
+#endif
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
     // Every other ticketed block of this call has its ticket: the next call's epoch, from count 0.
     if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
     s_ticket = b;
     s_raised = epoch + 1;
+#if TM_RGU_TICKET_PEEK
+    s_peek_ok = n_tokens == 1 && (rt.top_k > kIdsInFlag || tag_of(w0) == epoch + 1) && tag_of(f0) == epoch + 1;
+    s_peek_ids = static_cast<uint32_t>(w0);
+#endif
   }
   __syncthreads();
   const uint32_t b = s_ticket, raised = s_raised;
@@ -329,7 +351,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   routed_wait(sy, t, raised, false);
   const int e = static_cast<int>(p.pair - t * slots);
 #else
+#if TM_RGU_TICKET_PEEK
+  const uint32_t ids = s_peek_ok ? s_peek_ids : routed_wait(sy, t, raised, ids_in_flag);
+#else
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
+#endif
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
