@@ -30,19 +30,20 @@ namespace {
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif
 static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "TM_RGU_DEFERRED_Q8_PROBE: 0 to 3");
-// TM_RGU_SHARED_PEEK=1 (a measurement knob, the same bits; results/NOTES.md lesson 185): a shared block beyond the
-// first wave (blockIdx from %nsmid x 4 blocks an SM on) reads h_ready first and, when router block 0 has released
-// h and its int8 groups for this call, multiplies those groups (the same tree, the same groups) instead of
-// normalising x itself; else it normalises x as the others do.
+// TM_RGU_SHARED_PEEK (1; 0 gives the kernels before it, the same bits; results/NOTES.md lesson 185): a shared
+// block beyond the first wave (blockIdx from %nsmid x 4 blocks an SM on) reads h_ready first and, when router block
+// 0 has released h and its int8 groups for this call, multiplies those groups (the same tree, the same groups)
+// instead of normalising x itself; else it normalises x as the others do.
 #ifndef TM_RGU_SHARED_PEEK
-#define TM_RGU_SHARED_PEEK 0
+#define TM_RGU_SHARED_PEEK 1
 #endif
-// TM_RGU_TICKET_PEEK=1 (a measurement knob, the same bits; lesson 185): in a step of one token, thread 0 of a
-// ticketed block reads the token's ids_ready and h_ready words right after issuing its ticket's atomic (a decode
-// step's routed blocks all wait for token 0, whatever tile the ticket gives), so that a routed block started after
-// the router's release has its ticket, its expert id and h in one round trip and one barrier instead of two each.
+// TM_RGU_TICKET_PEEK (1; 0 gives the kernels before it, the same bits; lesson 185): in a step of one token,
+// thread 0 of a ticketed block reads the token's ids_ready and h_ready words right after issuing its ticket's atomic
+// (a decode step's routed blocks all wait for token 0, whatever tile the ticket gives), so that a routed block
+// started after the router's release has its ticket, its expert id and h in one round trip and one barrier instead
+// of two each.
 #ifndef TM_RGU_TICKET_PEEK
-#define TM_RGU_TICKET_PEEK 0
+#define TM_RGU_TICKET_PEEK 1
 #endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
