@@ -30,21 +30,6 @@ namespace {
 #define TM_RGU_DEFERRED_Q8_PROBE 0
 #endif
 static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "TM_RGU_DEFERRED_Q8_PROBE: 0 to 3");
-// TM_RGU_SHARED_PEEK (1; 0 gives the kernels before it, the same bits; results/NOTES.md lesson 185): a shared
-// block beyond the first wave (blockIdx from %nsmid x 4 blocks an SM on) reads h_ready first and, when router block
-// 0 has released h and its int8 groups for this call, multiplies those groups (the same tree, the same groups)
-// instead of normalising x itself; else it normalises x as the others do.
-#ifndef TM_RGU_SHARED_PEEK
-#define TM_RGU_SHARED_PEEK 1
-#endif
-// TM_RGU_TICKET_PEEK (1; 0 gives the kernels before it, the same bits; lesson 185): in a step of one token,
-// thread 0 of a ticketed block reads the token's ids_ready and h_ready words right after issuing its ticket's atomic
-// (a decode step's routed blocks all wait for token 0, whatever tile the ticket gives), so that a routed block
-// started after the router's release has its ticket, its expert id and h in one round trip and one barrier instead
-// of two each.
-#ifndef TM_RGU_TICKET_PEEK
-#define TM_RGU_TICKET_PEEK 1
-#endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -259,29 +244,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
       }
     }
-#if TM_RGU_SHARED_PEEK
-    if constexpr (fmt_tiled(F)) {
-      uint32_t sms;
-      asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
-      if (blockIdx.x >= sms * gate_up_min_blocks(F)) {
-        __shared__ int s_released;
-        const RouterSync sy = router_sync(sync, h_groups, n_tokens);
-        if (threadIdx.x == 0) {
-          // This call's tag is its epoch + 1; a ticket word already at the next epoch gives a tag no flag holds yet
-          // (the block then normalises x itself).
-          const uint32_t epoch = static_cast<uint32_t>(ld_relaxed_u64(sy.ticket) >> 32);
-          s_released = tag_of(ld_acquire_u64(sy.h_ready + p.pair)) == epoch + 1;
-        }
-        __syncthreads();
-        if (s_released) {
-          stamp(3);
-          gate_up_block<F, V>(sh, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair, p.tile);
-          stamp_end();
-          return;
-        }
-      }
-    }
-#endif
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
@@ -313,28 +275,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     return;
   }
   const RouterSync sy = router_sync(sync, h_groups, n_tokens);
-#if TM_RGU_TICKET_PEEK
-  __shared__ uint32_t s_peek_ids;
-  __shared__ int s_peek_ok;
-#endif
   if (threadIdx.x == 0) {
     const unsigned long long v = atomicAdd(sy.ticket, 1ull);
-#if TM_RGU_TICKET_PEEK
-    unsigned long long w0 = 0, f0 = 0;
-    if (n_tokens == 1) {
-      w0 = ld_relaxed_u64(sy.ids_ready);
-      f0 = ld_acquire_u64(sy.h_ready);
-    }
-#endif
     const uint32_t epoch = static_cast<uint32_t>(v >> 32), b = static_cast<uint32_t>(v);
     // Every other ticketed block of this call has its ticket: the next call's epoch, from count 0.
     if (b == gridDim.x - sh_blocks - 1) *sy.ticket = static_cast<unsigned long long>(epoch + 1) << 32;
     s_ticket = b;
     s_raised = epoch + 1;
-#if TM_RGU_TICKET_PEEK
-    s_peek_ok = n_tokens == 1 && (rt.top_k > kIdsInFlag || tag_of(w0) == epoch + 1) && tag_of(f0) == epoch + 1;
-    s_peek_ids = static_cast<uint32_t>(w0);
-#endif
   }
   __syncthreads();
   const uint32_t b = s_ticket, raised = s_raised;
@@ -352,11 +299,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   routed_wait(sy, t, raised, false);
   const int e = static_cast<int>(p.pair - t * slots);
 #else
-#if TM_RGU_TICKET_PEEK
-  const uint32_t ids = s_peek_ok ? s_peek_ids : routed_wait(sy, t, raised, ids_in_flag);
-#else
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
-#endif
   stamp(3);
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
