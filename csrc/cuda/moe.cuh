@@ -168,8 +168,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const int64_t off = (e * a.ffn + r) * a.row_bytes;
     const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
     const XT* xs[1] = {h + t * h_stride};
-    // DN = 2: each lane adds its chunk of the sums before the dots and holds that one float across them
-    float lane_ss = 0.0f;
+    float lane_ss = 0.0f;  // DN = 2: this lane's chunk of the sums, added before the dots
     if constexpr (DN == 2) lane_ss = lane_grouped_sum_ldg(x_sums + t * norm_groups(dim), dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
