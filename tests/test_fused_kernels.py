@@ -344,8 +344,8 @@ ROUTER_GATE_UP_SHAPES = [  # n_tokens, n_experts, top_k, ffn_sh, ffn, hidden
     (2, 64, 8, 16, 8, 384),  # 64 experts (both logits of every lane); tiled: the 8-byte code reader
     (1, 70, 4, 16, 8, 256),  # more experts than one warp ranks: the two-launch path
     (1025, 5, 4, 17, 9, 256),  # more pairs than the grouped gate-up lists: several tokens in the fused launch
-    # 704 shared blocks: more than a 132-SM GPU holds at once (4 an SM), so that blocks start as others retire,
-    # after the router's release
+    # 704 shared blocks: more than a 132-SM GPU holds at once (4 an SM), so that blocks start as others
+    # retire, after the router's release
     (1, 8, 4, 5632, 64, 256),
 ]
 GROUPED_MAX_PAIRS = 4096  # tornado_moe.h: a CUDA gate-up of more (token, slot) pairs takes a block per pair
