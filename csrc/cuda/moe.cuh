@@ -168,7 +168,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const int64_t off = (e * a.ffn + r) * a.row_bytes;
     const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
     const XT* xs[1] = {h + t * h_stride};
-    float lane_ss = 0.0f;  // DN = 2: this lane's chunk of the sums, added before the dots
+    float lane_ss = 0.0f;  // this lane's chunk of the sums: DN = 2 adds it before the dots, DN = 1 after
     if constexpr (DN == 2) lane_ss = lane_grouped_sum_ldg(x_sums + t * norm_groups(dim), dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
@@ -177,11 +177,8 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
     if constexpr (DN != 0) {
-      float inv;
-      if constexpr (DN == 2)
-        inv = rms_inv_from_sum(warp_sum(lane_ss), dim, eps);
-      else
-        inv = warp_grouped_inv_ldg(x_sums + t * norm_groups(dim), dim, eps);
+      if constexpr (DN == 1) lane_ss = lane_grouped_sum_ldg(x_sums + t * norm_groups(dim), dim);
+      const float inv = rms_inv_from_sum(warp_sum(lane_ss), dim, eps);  // warp_grouped_inv_ldg's
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);
     }
