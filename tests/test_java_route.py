@@ -85,10 +85,10 @@ def _pipeline(device: str) -> Pipeline:
     layer = (TaskGraph("layer")
              .task("norm", "rmsnorm", t["x"], t["norm_w"], t["h"], T, H, EPS)
              .task("proj", "matmul", F32, t["proj"], t["h"], t["proj_b"], t["x"], T, H, H, True, None, None,
-                   None, 0.0)
+                   None, 0.0, None, None, None, None)
              .task("norm2", "rmsnorm", t["x"], t["norm_w"], t["h2"], T, H, EPS)
              .task("output", "matmul", Q8_0, t["out_w"], t["h2"], None, t["logits"], T, OUT, H, False, None,
-                   None, None, 0.0)
+                   None, None, 0.0, None, None, None, None)
              .task("argmax", "argmax", t["logits"], t["next"], T, OUT))
     p = Pipeline(t, (embed.snapshot(), layer.snapshot()))
     p.reset_outputs()

@@ -984,14 +984,14 @@ def test_kernel_table() -> None:
     assert b"unknown kernel index 99" in lib.tm_last_error()
     assert invoke(lib, "argmax", "cpu", [0, 0, 1]) == -1
     assert b"tm_invoke(argmax): got 3 argument words, the signature 'ppii' needs 4" in lib.tm_last_error()
-    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 12) == -1  # a qtype word that does not fit an int
+    assert invoke(lib, "matmul", "cpu", [1 << 40] + [0] * 16) == -1  # a qtype word that does not fit an int
     assert lib.tm_cuda_compiled() == int(K.cuda_compiled())
 
 
 def test_c_abi_device_errors() -> None:
     lib = c_library()
     x = torch.zeros(32)
-    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0, 0, 0, 0, 0]
+    words = [0, x.data_ptr(), x.data_ptr(), 0, x.data_ptr(), 1, 1, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     arr = (ctypes.c_uint64 * len(words))(*words)
     assert lib.tm_invoke(lib.tm_kernel_index(b"matmul"), 7, arr, len(words), None) == -1
     assert b"tm_matmul: unknown device 7" in lib.tm_last_error()
@@ -1019,7 +1019,7 @@ def test_invoke_marshals_like_the_torch_ops(device: str) -> None:
             "matmul",
             device,
             [qtype, w.data_ptr(), x.data_ptr(), bias.data_ptr(), y_c.data_ptr(), n_tokens, rows, cols, 1,
-             scale.data_ptr(), 0, 0, 0],
+             scale.data_ptr(), 0, 0, 0, 0, 0, 0, 0],
             stream,
         )
         == 0

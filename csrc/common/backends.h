@@ -31,7 +31,8 @@ int tm_set_error(int status, const char* fmt, ...);
                               int64_t n_tokens, int64_t dim, float eps, void* stream);                       \
   int PREFIX##matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,  \
                      int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,  \
-                     const float* x_sums, float eps, void* stream);                                           \
+                     const float* x_sums, float eps, const float* next_norm_w, float* y_w, float* y_ss,       \
+                     uint8_t* y_w_groups, void* stream);                                                      \
   int PREFIX##rope_kv_append(float* q, const float* k, const float* v, float* k_cache, float* v_cache,         \
                              const int32_t* pos, int64_t n_tokens, int64_t n_heads, int64_t n_kv_heads,        \
                              int64_t head_dim, int64_t max_ctx, float freq_base, int neox, void* stream);      \
@@ -54,7 +55,8 @@ int tm_set_error(int status, const char* fmt, ...);
                                   int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, void* stream);   \
   int PREFIX##moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids, \
                           float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, \
-                          int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);                      \
+                          int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,     \
+                          void* stream);                                                                      \
   int PREFIX##experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,          \
                               int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,          \
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,               \
@@ -66,7 +68,8 @@ int tm_set_error(int status, const char* fmt, ...);
                                      const void* w_gate, const void* w_up, float* act,                      \
                                      int64_t n_tokens, int64_t n_experts, int64_t hidden, int64_t top_k,    \
                                      int normalize, int64_t ffn, int32_t* scratch, uint8_t* act_groups_sh,  \
-                                     uint8_t* act_groups, void* stream);                                    \
+                                     uint8_t* act_groups, const float* xw, const float* xss,                \
+                                     const uint8_t* xw_groups, void* stream);                               \
   int PREFIX##moe_down_accumulate(int qtype, const void* w_down, const float* act, const int32_t* ids,         \
                                   const float* weights, const float* gate_inp, const float* h, float* x,      \
                                   int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,     \

@@ -313,7 +313,8 @@ TM_API int tm_rmsnorm_factors(tm_device device, const float* x, const float* w, 
 
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
                      int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                     const uint8_t* x_groups, const float* x_sums, float eps, void* stream) {
+                     const uint8_t* x_groups, const float* x_sums, float eps, const float* next_norm_w, float* y_w,
+                     float* y_ss, uint8_t* y_w_groups, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_qtype(fn, qtype));
@@ -329,8 +330,12 @@ TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x,
     if (scale != nullptr) return tm_set_error(kInvalid, "%s: give 'scale' or 'x_sums', not both", fn);
     TM_TRY(check_eps(fn, eps));
   }
+  if ((next_norm_w == nullptr) != (y_w == nullptr) || (y_w == nullptr) != (y_ss == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'next_norm_w', 'y_w' and 'y_ss' together (the next normalisation's "
+                        "factor and partial sums) or none of them", fn);
+  TM_TRY(check_groups(fn, "y_w_groups", y_w_groups, y_w, "y_w", "rows", rows));
   return TM_FORWARD(matmul, device, qtype, w, x, bias, y, n_tokens, rows, cols, accumulate ? 1 : 0, scale, x_groups,
-                    x_sums, eps, stream);
+                    x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups, stream);
 }
 
 TM_API int tm_rope_kv_append(tm_device device, float* q, const float* k, const float* v, float* k_cache,
@@ -408,13 +413,15 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
 
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums,
+                          float eps, void* stream) {
   const char* fn = "tm_moe_gate_up";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, slot_begin,
                             slot_count, n_experts, "ffn", ffn, hidden));
+  if (h_sums != nullptr) TM_TRY(check_eps(fn, eps));
   return TM_FORWARD(moe_gate_up, device, qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, slot_begin, slot_count,
-                    n_experts, ffn, hidden, stream);
+                    n_experts, ffn, hidden, h_sums, eps, stream);
 }
 
 TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
@@ -430,6 +437,13 @@ TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh
   TM_TRY(check_ptr(fn, "ids", ids));
   return TM_FORWARD(experts_gate_up, device, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act,
                     n_tokens, top_k, n_experts, ffn, hidden, stream);
+}
+
+// The shared expert's deferred FFN norm (tm_router_experts_gate_up's xw, xss and xw_groups).
+int check_deferred_norm(const char* fn, const float* xw, const float* xss, const uint8_t* xw_groups, int64_t hidden) {
+  if ((xw == nullptr) != (xss == nullptr))
+    return tm_set_error(kInvalid, "%s: give 'xw' and 'xss' together (as one kernel wrote them) or neither", fn);
+  return check_groups(fn, "xw_groups", xw_groups, xw, "xw", "hidden", hidden);
 }
 
 // The arguments of tm_router_experts_gate_up (which tm_router_experts_ffn takes too).
@@ -457,16 +471,18 @@ TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const flo
                                      const float* gate_inp_sh, float* gate_sh, const void* w_gate,
                                      const void* w_up, float* act, int64_t n_tokens, int64_t n_experts,
                                      int64_t hidden, int64_t top_k, int normalize, int64_t ffn, int32_t* scratch,
-                                     uint8_t* act_groups_sh, uint8_t* act_groups, void* stream) {
+                                     uint8_t* act_groups_sh, uint8_t* act_groups, const float* xw,
+                                     const float* xss, const uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_router_experts_gate_up_args(fn, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                            act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                            n_experts, hidden, top_k, ffn, scratch));
   TM_TRY(check_act_groups(fn, act_groups_sh, act_sh, ffn_sh, act_groups, act, ffn));
+  TM_TRY(check_deferred_norm(fn, xw, xss, xw_groups, hidden));
   return TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
-                    top_k, normalize ? 1 : 0, ffn, scratch, act_groups_sh, act_groups, stream);
+                    top_k, normalize ? 1 : 0, ffn, scratch, act_groups_sh, act_groups, xw, xss, xw_groups, stream);
 }
 
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
@@ -475,7 +491,8 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
                                  int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh, const void* w_gate,
                                  const void* w_up, const void* w_down, float* act, int64_t n_tokens,
                                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                 int32_t* scratch, void* stream) {
+                                 int32_t* scratch, const float* xw, const float* xss, const uint8_t* xw_groups,
+                                 void* stream) {
   const char* fn = "tm_router_experts_ffn";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_router_experts_gate_up_args(fn, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
@@ -485,8 +502,9 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
                          n_tokens, 1, 0, 1, 1, hidden, "ffn_sh", ffn_sh));
   TM_TRY(check_down_args(fn, qtype, "w_down", w_down, "act", act, "gate_inp", nullptr, nullptr, x, n_tokens, top_k,
                          0, top_k, n_experts, hidden, "ffn", ffn));
+  TM_TRY(check_deferred_norm(fn, xw, xss, xw_groups, hidden));
   const int norm = normalize ? 1 : 0;
-  if (device == TM_DEVICE_CUDA) {  // the persistent launch where it applies
+  if (device == TM_DEVICE_CUDA && xw == nullptr) {  // the persistent launch where it applies (not deferred)
     const int status = tm_cuda_router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                                                   w_up_sh, w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate,
                                                   w_up, w_down, act, n_tokens, n_experts, hidden, top_k, norm, ffn,
@@ -496,16 +514,18 @@ TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w
   // the two calls it stands for, on either backend
   TM_TRY(TM_FORWARD(router_experts_gate_up, device, x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh,
                     w_up_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens, n_experts, hidden,
-                    top_k, norm, ffn, scratch, nullptr, nullptr, stream));
+                    top_k, norm, ffn, scratch, nullptr, nullptr, xw, xss, xw_groups, stream));
   return TM_FORWARD(experts_down_accumulate, device, qtype, w_down_sh, act_sh, nullptr, gate_sh, ffn_sh, w_down, act,
                     ids, weights, h, x, nullptr, nullptr, nullptr, n_tokens, top_k, n_experts, hidden, ffn, nullptr,
                     nullptr, nullptr, stream);
 }
 
 TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
-                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn) {
+                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn,
+                                          int deferred_norm) {
   TM_TRY(check_device("tm_router_experts_ffn_launches", device));
   if (device == TM_DEVICE_CPU) return 1;
+  if (deferred_norm) return 2;  // the persistent launch takes h alone
   return tm_cuda_router_experts_ffn_launches(qtype, n_tokens, n_experts, top_k, hidden, ffn_sh, ffn);
 }
 

@@ -53,11 +53,12 @@ const KernelRow kKernels[] = {
                                  ptr<float>(a[3]), ptr<float>(a[4]), i64(a[5]), i64(a[6]), f32(a[7]), s);
      },
      0},
-    {"matmul", "qppnpiiibnnnf",
+    {"matmul", "qppnpiiibnnnfnnnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_matmul(d, i32(a[0]), ptr<const void>(a[1]), ptr<const float>(a[2]), ptr<const float>(a[3]),
                         ptr<float>(a[4]), i64(a[5]), i64(a[6]), i64(a[7]), i32(a[8]), ptr<const float>(a[9]),
-                        ptr<const uint8_t>(a[10]), ptr<const float>(a[11]), f32(a[12]), s);
+                        ptr<const uint8_t>(a[10]), ptr<const float>(a[11]), f32(a[12]), ptr<const float>(a[13]),
+                        ptr<float>(a[14]), ptr<float>(a[15]), ptr<uint8_t>(a[16]), s);
      },
      0},
     {"rope_kv_append", "ppppppiiiiifb",
@@ -97,11 +98,11 @@ const KernelRow kKernels[] = {
                                      i64(a[8]), i64(a[9]), i64(a[10]), i32(a[11]), s);
      },
      0},
-    {"moe_gate_up", "qpppnpiiiiiii",
+    {"moe_gate_up", "qpppnpiiiiiiinf",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_moe_gate_up(d, i32(a[0]), ptr<const void>(a[1]), ptr<const void>(a[2]), ptr<const float>(a[3]),
                              ptr<const int32_t>(a[4]), ptr<float>(a[5]), i64(a[6]), i64(a[7]), i64(a[8]), i64(a[9]),
-                             i64(a[10]), i64(a[11]), i64(a[12]), s);
+                             i64(a[10]), i64(a[11]), i64(a[12]), ptr<const float>(a[13]), f32(a[14]), s);
      },
      0},
     {"experts_gate_up", "qpppipppppiiiii",
@@ -112,7 +113,7 @@ const KernelRow kKernels[] = {
                                  i64(a[13]), i64(a[14]), s);
      },
      0},
-    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibipnn",
+    {"router_experts_gate_up", "ppfppppqpppinnpppiiiibipnnnnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_experts_gate_up(d, ptr<const float>(a[0]), ptr<const float>(a[1]), f32(a[2]),
                                         ptr<float>(a[3]), ptr<const float>(a[4]), ptr<int32_t>(a[5]),
@@ -120,10 +121,12 @@ const KernelRow kKernels[] = {
                                         ptr<float>(a[10]), i64(a[11]), ptr<const float>(a[12]), ptr<float>(a[13]),
                                         ptr<const void>(a[14]), ptr<const void>(a[15]), ptr<float>(a[16]),
                                         i64(a[17]), i64(a[18]), i64(a[19]), i64(a[20]), i32(a[21]), i64(a[22]),
-                                        ptr<int32_t>(a[23]), ptr<uint8_t>(a[24]), ptr<uint8_t>(a[25]), s);
+                                        ptr<int32_t>(a[23]), ptr<uint8_t>(a[24]), ptr<uint8_t>(a[25]),
+                                        ptr<const float>(a[26]), ptr<const float>(a[27]),
+                                        ptr<const uint8_t>(a[28]), s);
      },
      0},
-    {"router_experts_ffn", "ppfppppqppppinnppppiiiibip",
+    {"router_experts_ffn", "ppfppppqppppinnppppiiiibipnnn",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_router_experts_ffn(d, ptr<float>(a[0]), ptr<const float>(a[1]), f32(a[2]), ptr<float>(a[3]),
                                     ptr<const float>(a[4]), ptr<int32_t>(a[5]), ptr<float>(a[6]), i32(a[7]),
@@ -131,7 +134,8 @@ const KernelRow kKernels[] = {
                                     ptr<float>(a[11]), i64(a[12]), ptr<const float>(a[13]), ptr<float>(a[14]),
                                     ptr<const void>(a[15]), ptr<const void>(a[16]), ptr<const void>(a[17]),
                                     ptr<float>(a[18]), i64(a[19]), i64(a[20]), i64(a[21]), i64(a[22]), i32(a[23]),
-                                    i64(a[24]), ptr<int32_t>(a[25]), s);
+                                    i64(a[24]), ptr<int32_t>(a[25]), ptr<const float>(a[26]), ptr<const float>(a[27]),
+                                    ptr<const uint8_t>(a[28]), s);
      },
      0},
     {"moe_down_accumulate", "qppnnnnpiiiiiii",

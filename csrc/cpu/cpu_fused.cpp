@@ -7,6 +7,14 @@
 #include "backends.h"
 #include "cpu_math.h"
 
+int tm_cpu::write_norm_factors(const float* x, const float* w, float* xw, float* xss, uint8_t* xw_groups,
+                               int64_t n_tokens, int64_t dim, void* stream) {
+  std::vector<float> inv(static_cast<size_t>(n_tokens));  // the norm's inv: its consumer computes it itself
+  TM_TRY(tm_cpu_rmsnorm_factors(x, w, xw, xss, inv.data(), n_tokens, dim, 1.0f, stream));
+  if (xw_groups != nullptr) tm_act::store_row_groups(xw, xw_groups, n_tokens, dim);
+  return TM_OK;
+}
+
 // Given xw and xss are x's factors as the kernel that wrote x computed them: the same bits as those computed here
 // (and xw's groups the values the CPU's Q8_0 products round xw to).
 extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const float* xss, const float* norm_w,
@@ -24,11 +32,11 @@ extern "C" int tm_cpu_qkv_rope(int qtype, const float* x, const float* xw, const
   TM_TRY(tm_cpu_rmsnorm_factors(x, norm_w, xs.data(), nullptr, inv.data(), n_tokens, hidden, eps, stream));
   // scale = inv: no x_sums, no eps
   TM_TRY(tm_cpu_matmul(qtype, w_q, xs.data(), b_q, q, n_tokens, q_rows, hidden, 0, inv.data(), nullptr, nullptr, 0.0f,
-                       stream));
+                       nullptr, nullptr, nullptr, nullptr, stream));
   TM_TRY(tm_cpu_matmul(qtype, w_k, xs.data(), b_k, k.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
-                       nullptr, 0.0f, stream));
+                       nullptr, 0.0f, nullptr, nullptr, nullptr, nullptr, stream));
   TM_TRY(tm_cpu_matmul(qtype, w_v, xs.data(), b_v, v.data(), n_tokens, kv_rows, hidden, 0, inv.data(), nullptr,
-                       nullptr, 0.0f, stream));
+                       nullptr, 0.0f, nullptr, nullptr, nullptr, nullptr, stream));
   return tm_cpu_rope_kv_append(q, k.data(), v.data(), k_cache, v_cache, pos, n_tokens, n_heads, n_kv_heads, head_dim,
                                max_ctx, freq_base, neox, stream);
 }
@@ -38,9 +46,9 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, h, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden,
-                            stream));
+                            nullptr, 0.0f, stream));
   return tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
-                            stream);
+                            nullptr, 0.0f, stream);
 }
 
 // A given gate_sh enters as the shared call's slot weights: w_eff = gate_sh[t], the bits of the gated call's
@@ -69,10 +77,7 @@ extern "C" int tm_cpu_experts_down_accumulate(int qtype, const void* w_down_sh, 
   TM_TRY(tm_cpu_moe_down_accumulate(qtype, w_down, act, ids, weights, nullptr, nullptr, x, n_tokens, top_k, 0, top_k,
                                     n_experts, hidden, ffn, stream));
   if (xw == nullptr) return TM_OK;
-  std::vector<float> inv(static_cast<size_t>(n_tokens));  // the next norm's inv: its consumer computes it itself
-  TM_TRY(tm_cpu_rmsnorm_factors(x, next_norm_w, xw, xss, inv.data(), n_tokens, hidden, 1.0f, stream));
-  if (xw_groups != nullptr) tm_act::store_row_groups(xw, xw_groups, n_tokens, hidden);
-  return TM_OK;
+  return tm_cpu::write_norm_factors(x, next_norm_w, xw, xss, xw_groups, n_tokens, hidden, stream);
 }
 
 extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w, float eps, float* h,
@@ -82,13 +87,18 @@ extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w
                                              const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                              int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
                                              int64_t ffn, int32_t* /*scratch: unused*/, uint8_t* act_groups_sh,
-                                             uint8_t* act_groups, void* stream) {
+                                             uint8_t* act_groups, const float* xw, const float* xss,
+                                             const uint8_t* /*xw_groups: the values xw rounds to here*/,
+                                             void* stream) {
   TM_TRY(tm_cpu_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                     normalize, stream));
   if (gate_inp_sh != nullptr)
     for (int64_t t = 0; t < n_tokens; ++t) gate_sh[t] = tm_cpu::shared_gate(gate_inp_sh, h + t * hidden, hidden);
-  TM_TRY(tm_cpu_experts_gate_up(qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, ids, act, n_tokens,
-                                top_k, n_experts, ffn, hidden, stream));
+  // the shared expert's gate-up on h, or in the deferred form on xw scaled by the inv of xss
+  TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, xw != nullptr ? xw : h, nullptr, act_sh, n_tokens, 1, 0, 1, 1,
+                            ffn_sh, hidden, xss, eps, stream));
+  TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
+                            nullptr, 0.0f, stream));
   if (act_groups_sh != nullptr) {
     tm_act::store_row_groups(act_sh, act_groups_sh, n_tokens, ffn_sh);
     tm_act::store_row_groups(act, act_groups, n_tokens * top_k, ffn);

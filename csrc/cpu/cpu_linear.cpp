@@ -87,12 +87,11 @@ extern "C" int tm_cpu_embedding(int qtype, const void* table, const int32_t* ids
 extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const float* bias, float* y,
                              int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
                              const uint8_t* /*x_groups: the values x rounds to here*/, const float* x_sums, float eps,
-                             void* stream) {
+                             const float* next_norm_w, float* y_w, float* y_ss, uint8_t* y_w_groups, void* stream) {
   std::vector<float> sums_inv;
   if (x_sums != nullptr) {  // the inv tm_rmsnorm_factors computes from these sums
-    const int64_t groups = tm_norm_groups(cols);
     for (int64_t t = 0; t < n_tokens; ++t)
-      sums_inv.push_back(rms_inv(grouped_sum([&](int64_t g) { return x_sums[t * groups + g]; }, cols), cols, eps));
+      sums_inv.push_back(grouped_rms_inv(x_sums + t * tm_norm_groups(cols), cols, eps));
     scale = sums_inv.data();
   }
   const uint8_t* base = static_cast<const uint8_t*>(w);
@@ -121,14 +120,19 @@ extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const flo
       }
     }
   }
-  return TM_OK;
+  return y_w == nullptr ? TM_OK : write_norm_factors(y, next_norm_w, y_w, y_ss, y_w_groups, n_tokens, rows, stream);
 }
 
 // act[t, s, r] = silu(dot(W_gate[e][r], h[t])) * dot(W_up[e][r], h[t]) for every pair (t, s) of the slot range.
 // The value of one (t, s, r) depends only on e, r and h[t]: per-slot and fused calls agree bit for bit.
 extern "C" int tm_cpu_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
                                   float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                                  int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
+                                  int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
+                                  void* stream) {
+  std::vector<float> inv;  // the deferred norm's scale of each token (h = xw)
+  if (h_sums != nullptr)
+    for (int64_t t = 0; t < n_tokens; ++t)
+      inv.push_back(grouped_rms_inv(h_sums + t * tm_norm_groups(hidden), hidden, eps));
   ExpertGroups g;
   int status = group_by_expert("tm_moe_gate_up", ids, n_tokens, top_k, slot_begin, slot_count, n_experts, &g);
   if (status != TM_OK) return status;
@@ -161,8 +165,12 @@ extern "C" int tm_cpu_moe_gate_up(int qtype, const void* w_gate, const void* w_u
         const float* ht = h + t * hidden;
         float* out = act + (t * top_k + s) * ffn + r0;
         for (int64_t i = 0; i < nr; ++i) {
-          const float gv = dot_f32(gate_tile.data() + i * hidden, ht, hidden);
-          const float uv = dot_f32(up_tile.data() + i * hidden, ht, hidden);
+          float gv = dot_f32(gate_tile.data() + i * hidden, ht, hidden);
+          float uv = dot_f32(up_tile.data() + i * hidden, ht, hidden);
+          if (h_sums != nullptr) {
+            gv = gv * inv[static_cast<size_t>(t)];
+            uv = uv * inv[static_cast<size_t>(t)];
+          }
           out[i] = silu(gv) * uv;
         }
       }

@@ -56,6 +56,17 @@ float grouped_sum(GroupSum group_sum, int64_t dim) {
 // inv = 1 / sqrt(ss / dim + eps), the norm's factor from its sum of squares.
 inline float rms_inv(float ss, int64_t dim, float eps) { return 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps); }
 
+// The inv tm_rmsnorm_factors computes for a row of dim values from its group sums (xss's row).
+inline float grouped_rms_inv(const float* sums, int64_t dim, float eps) {
+  return rms_inv(grouped_sum([&](int64_t g) { return sums[g]; }, dim), dim, eps);
+}
+
+// The next normalisation's factors of rows x [n_tokens, dim] as tm_rmsnorm_factors writes them (xw = x * w and
+// the group sums xss), and with xw_groups xw's int8 groups: what a kernel that writes x leaves for the next product
+// (cpu_fused.cpp).
+int write_norm_factors(const float* x, const float* w, float* xw, float* xss, uint8_t* xw_groups, int64_t n_tokens,
+                       int64_t dim, void* stream);
+
 // Below this many multiply-adds a kernel runs on the calling thread: waking the OpenMP team costs more.
 constexpr int64_t kParallelWork = 1 << 15;
 

@@ -4,7 +4,11 @@
  *
  * With x_sums instead of scale (x = tm_rmsnorm_factors' xw, x_sums its xss) each warp computes the token's inv
  * from the sums itself after its dot products, as qkv_rope does (norm.cuh's deferred form; the same bits as scale =
- * tm_rmsnorm_factors' inv), so that the output head needs no norm launch before it.
+ * tm_rmsnorm_factors' inv), so that the output head needs no norm launch before it. With next_norm_w the launch
+ * for one token and one row a warp (attn_output in decode) also writes the next norm's factors of the rows it stores
+ * (y_w = y * next_norm_w, y's group sums and y_w's int8 groups: the shared expert's deferred FFN norm, NOTES lesson
+ * 186): each warp's row goes to shared memory, one barrier, then warp 0 writes the block's two groups, as the down
+ * does for qkv; other shapes write them in a second launch (launch_norm_factors, the same bits).
  * Launch shape: blocks of 8 warps; a warp computes 1 weight row (2 rows for decode calls with at least 64 rows
  * per SM, e.g. the output head, so that the activation loads are shared) for 1 token (n_tokens = 1) or a tile of
  * 4 tokens (so a weight row is read once per 4 tokens; the last tile repeats its last token in the unused slots
@@ -24,17 +28,7 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kTokenTile = 4;
 
-// TM_MATMUL_NORM_PROBE=1 (timing only; results/NOTES.md lesson 180): the one-row, one-token matmul (attn_output in
-// decode) also does the epilogue a deferred FFN norm would give it: each warp's new value into shared memory, one
-// barrier, then per group of 4 rows its sum of squares and its int8 group, stored to a scratch of the probe's own
-// (the norm weight taken as 1). Needs rows % 8 == 0 (every warp of a block reaches the barrier).
-#ifndef TM_MATMUL_NORM_PROBE
-#define TM_MATMUL_NORM_PROBE 0
-#endif
-#if TM_MATMUL_NORM_PROBE
-__device__ float g_norm_probe_sums[1 << 14];
-__device__ __align__(16) uint8_t g_norm_probe_groups[1 << 15];
-#endif
+static_assert(kWarpsPerBlock == 2 * kNormGroup, "the factors' epilogue: a block's rows are two norm groups");
 // Decode calls with at least this many rows per SM give each warp 2 rows: the activation loads (4 bytes per
 // weight value, the larger part of the L1 traffic) are then shared by two rows.
 constexpr int64_t kPairRowsPerSm = 64;
@@ -53,12 +47,15 @@ constexpr int matmul_min_blocks() {
 
 // Q: the products read x's int8 groups xq (tiled rows) instead of rounding x (the same bits).
 // S: the products are scaled, by scale[t] or (scale null) by the inv that token t's sums x_sums give.
-template <Fmt F, int NR, int NT, bool V, bool S, bool Q>
+// NF (NR = NT = 1, one token, rows % kWarpsPerBlock == 0): the next norm's factors of y too (the file's comment).
+template <Fmt F, int NR, int NT, bool V, bool S, bool Q, bool NF = false>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, NT>())
     matmul_kernel(const uint8_t* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
                   const float* __restrict__ scale, int64_t tile0, const uint8_t* __restrict__ xq,
-                  const float* __restrict__ x_sums, float eps) {
+                  const float* __restrict__ x_sums, float eps, const float* __restrict__ next_norm_w, float* y_w,
+                  float* y_ss, uint8_t* y_w_q) {
+  static_assert(!NF || (NR == 1 && NT == 1 && !S), "the factors' epilogue is the one-row decode shape's");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * NR;
   const uint8_t* wr[NR];
@@ -88,9 +85,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
   // grid started: read through L1, which the block's warps share.
   const auto token_scale = [&](int t) -> float {
     if (scale != nullptr) return scale[t0 + t < n_tokens ? t0 + t : n_tokens - 1];
-    const float* sums = x_sums + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * norm_groups(cols);
-    return grouped_inv_vector_ok(sums, cols) ? warp_grouped_inv_ldg(sums, cols, eps)
-                                             : warp_grouped_inv([&](int64_t g) { return __ldg(sums + g); }, cols, eps);
+    return warp_grouped_inv_any(x_sums + (t0 + t < n_tokens ? t0 + t : n_tokens - 1) * norm_groups(cols), cols, eps);
   };
   if constexpr (NR == 1 && NT == 1) {
     // One row, one token (attn_output in decode): lane 0's bias and the residual it adds to are loaded before the
@@ -100,6 +95,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
     float* o = y + t0 * rows + r0;
     const float b = owner && bias != nullptr ? ld_ahead(bias + r0) : 0.0f;
     const float y_in = owner && accumulate ? ld_ahead(o) : 0.0f;  // in place: read around L1 (common.cuh)
+    const float nw = NF && owner ? __ldg(next_norm_w + r0) : 0.0f;
     float out[1][1];
     dot(out);
     float sc = 1.0f;
@@ -110,22 +106,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
       if (bias != nullptr) v = __fadd_rn(v, b);
       return accumulate ? __fadd_rn(y_in, v) : v;
     };
-#if TM_MATMUL_NORM_PROBE
-    __shared__ float s_rows[kWarpsPerBlock];
-    if (lane == 0) {
-      const float yn = y_new();
-      if (owner) *o = yn;
-      s_rows[warp] = yn;
+    if constexpr (NF) {  // every warp of the block has a row (rows % 8 == 0) and reaches the barrier
+      __shared__ float s_y[kWarpsPerBlock], s_yw[kWarpsPerBlock];
+      if (owner) {
+        const float yn = y_new();
+        *o = yn;
+        s_y[warp] = yn;
+        s_yw[warp] = norm_factor_xw(yn, nw);
+        y_w[r0] = s_yw[warp];
+      }
+      __syncthreads();
+      if (warp == 0 && lane < 2) {  // lane j: the group of the block's rows 4j .. 4j + 3
+        const int64_t g = static_cast<int64_t>(blockIdx.x) * 2 + lane;
+        const float* q = s_y + 4 * lane;
+        const float* qw = s_yw + 4 * lane;
+        y_ss[g] = group_sum_sq([&](int64_t i) { return q[i - 4 * g]; }, g, rows);
+        if (y_w_q != nullptr) store_q8act(y_w_q, g, tm_act::q8_group(qw[0], qw[1], qw[2], qw[3]));
+      }
+      return;
     }
-    __syncthreads();
-    if (warp == 0 && lane < 2) {
-      const float* q = s_rows + 4 * lane;
-      const int64_t g = static_cast<int64_t>(blockIdx.x) * 2 + lane;
-      g_norm_probe_sums[g & ((1 << 14) - 1)] = group_sum_sq([&](int64_t i) { return q[i - 4 * g]; }, g, rows);
-      store_q8act(g_norm_probe_groups, g & ((1 << 12) - 1), tm_act::q8_group(q[0], q[1], q[2], q[3]));
-    }
-    return;
-#endif
     if (!owner) return;
     *o = y_new();
     return;
@@ -154,7 +153,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, matmul_min_blocks<F, NR, 
 template <Fmt F, int NR, int NT, bool V>
 int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const float* x, const float* bias, float* y,
                   int64_t n_tokens, int64_t rows, int64_t cols, int64_t row_bytes, int64_t nblocks, int accumulate,
-                  const float* scale, const uint8_t* xq, const float* x_sums, float eps) {
+                  const float* scale, const uint8_t* xq, const float* x_sums, float eps, const float* next_norm_w,
+                  float* y_w, float* y_ss, uint8_t* y_w_q) {
   const int64_t gx = ceil_div(rows, kWarpsPerBlock * NR);
   const int64_t ny = ceil_div(n_tokens, NT);
   if (gx > lim.max_grid_x)
@@ -165,18 +165,24 @@ int launch_matmul(const Limits& lim, cudaStream_t s, const uint8_t* w, const flo
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     auto run = [&](auto kernel) {
       return launch(lim, "tm_matmul", kernel, grid, dim3(kWarpsPerBlock * 32), 0, s, w, x, bias, y, n_tokens, rows,
-                    cols, row_bytes, nblocks, accumulate, scale, y0, xq, x_sums, eps);
+                    cols, row_bytes, nblocks, accumulate, scale, y0, xq, x_sums, eps, next_norm_w, y_w, y_ss, y_w_q);
     };
     // x's int8 groups where the tiled reader takes them
     constexpr bool kReadsGroups = fmt_tiled(F);
     const bool scaled = scale != nullptr || x_sums != nullptr;
+    if constexpr (NR == 1 && NT == 1) {  // the next norm's factors in this launch's epilogue
+      if (y_w != nullptr && !scaled && n_tokens == 1 && rows % kWarpsPerBlock == 0)
+        return kReadsGroups && xq != nullptr ? run(matmul_kernel<F, 1, 1, V, false, kReadsGroups, true>)
+                                             : run(matmul_kernel<F, 1, 1, V, false, false, true>);
+    }
     if (kReadsGroups && xq != nullptr)
       TM_TRY(scaled ? run(matmul_kernel<F, NR, NT, V, true, kReadsGroups>)
                     : run(matmul_kernel<F, NR, NT, V, false, kReadsGroups>));
     else
       TM_TRY(scaled ? run(matmul_kernel<F, NR, NT, V, true, false>) : run(matmul_kernel<F, NR, NT, V, false, false>));
   }
-  return TM_OK;
+  if (y_w == nullptr) return TM_OK;
+  return launch_norm_factors(lim, "tm_matmul", y, next_norm_w, y_w, y_ss, y_w_q, n_tokens, rows, s);
 }
 
 }  // namespace
@@ -186,7 +192,8 @@ using namespace tm_cuda;
 
 extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const float* bias, float* y, int64_t n_tokens,
                               int64_t rows, int64_t cols, int accumulate, const float* scale, const uint8_t* x_groups,
-                              const float* x_sums, float eps, void* stream) {
+                              const float* x_sums, float eps, const float* next_norm_w, float* y_w, float* y_ss,
+                              uint8_t* y_w_groups, void* stream) {
   const char* fn = "tm_matmul";
   TM_TRY(check_weight_alignment(fn, "w", qtype, w));
   TM_TRY(check_f32_alignment(fn, "x", x));
@@ -194,6 +201,9 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
   TM_TRY(check_f32_alignment(fn, "y", y));
   TM_TRY(check_f32_alignment(fn, "scale", scale));
   TM_TRY(check_f32_alignment(fn, "x_sums", x_sums));
+  TM_TRY(check_f32_alignment(fn, "next_norm_w", next_norm_w));
+  TM_TRY(check_f32_alignment(fn, "y_w", y_w));
+  TM_TRY(check_f32_alignment(fn, "y_ss", y_ss));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, cols);
@@ -209,11 +219,11 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
     if (n_tokens == 1) {
       if (pair_rows)
         return launch_matmul<F, 2, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                         scale, x_groups, x_sums, eps);
+                                         scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups);
       return launch_matmul<F, 1, 1, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks, accumulate,
-                                       scale, x_groups, x_sums, eps);
+                                       scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups);
     }
     return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
-                                              accumulate, scale, x_groups, x_sums, eps);
+                                              accumulate, scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups);
   });
 }

@@ -199,6 +199,13 @@ constexpr bool down_pair_ok(Fmt s, Fmt r) { return s == r || (fmt_tiled(s) && fm
 bool take_down_timeline_rows(TimelineRow* host, int64_t n) { return take_timeline_rows(host, n); }
 #endif
 
+int launch_norm_factors(const Limits& lim, const char* fn, const float* x, const float* w, float* xw, float* xss,
+                        uint8_t* xw_q, int64_t n_tokens, int64_t dim, cudaStream_t s) {
+  const int64_t blocks = ceil_div(n_tokens * norm_groups(dim), 256);
+  return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
+                0, s, x, w, xw, xss, xw_q, n_tokens, dim);
+}
+
 }  // namespace tm_cuda
 
 using namespace tm_cuda;
@@ -237,9 +244,7 @@ extern "C" int tm_cuda_experts_down_accumulate(int qtype, const void* w_down_sh,
     TM_TRY(launch_moe_down(lim, fn, qtype, sh, vs, gate_inp_sh, h, x, n_tokens, 0, 1, gate_mode, s));
     TM_TRY(launch_moe_down(lim, fn, qtype, rt, vr, nullptr, nullptr, x, n_tokens, 0, top_k, kGateNone, s));
     if (xw == nullptr) return TM_OK;
-    const int64_t blocks = ceil_div(n_tokens * norm_groups(hidden), 256);
-    return launch(lim, fn, norm_factor_kernel, dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256),
-                  0, s, x, next_norm_w, xw, xss, xw_groups, n_tokens, hidden);
+    return launch_norm_factors(lim, fn, x, next_norm_w, xw, xss, xw_groups, n_tokens, hidden, s);
   };
   // Thousands of slots (or a test cap on shared memory): the two launches this one stands for.
   if (smem > 48 * 1024 || smem > lim.smem_block || tiles > lim.max_grid_x) return two_launches();

@@ -84,6 +84,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
       warp_dot_q8act<F, 2, NT, true>(wr, xq, nblocks, gu);
     else
       warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
+    if (a.h_sums != nullptr)  // the deferred norm: gate_up_block's scale (DN = 1), token by token
+#pragma unroll
+      for (int u = 0; u < NT; ++u) {
+        const int64_t t = static_cast<int64_t>(s_pairs[i + u] / slots);
+        const float inv = warp_grouped_inv_any(a.h_sums + t * norm_groups(hidden), hidden, a.eps);
+        gu[0][u] = __fmul_rn(gu[0][u], inv);
+        gu[1][u] = __fmul_rn(gu[1][u], inv);
+      }
     if (lane == 0)
 #pragma unroll
       for (int u = 0; u < NT; ++u) a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(gu[0][u]), gu[1][u]);
@@ -119,14 +127,16 @@ int check_gate_up_blocks(const char* fn, int64_t blocks, int64_t n_tokens) {
 // The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                  int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
-                 int64_t hidden, const float* h, GateUpArgs* out, bool* v) {
+                 int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* h_sums, float eps) {
   TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
+  TM_TRY(check_f32_alignment(fn, "h_sums", h_sums));
   TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
   TM_TRY(check_f32_alignment(fn, "act", act));
   const Fmt f = fmt_for(qtype, hidden);
   *v = *v && fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
   *out = GateUpArgs{static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), ids, act, top_k,
-                    slot_begin, slot_count, n_experts, ffn, tm_qtype_row_bytes(qtype, hidden), nullptr, 0};
+                    slot_begin, slot_count, n_experts, ffn, tm_qtype_row_bytes(qtype, hidden), nullptr, 0, h_sums,
+                    hidden, eps};
   return TM_OK;
 }
 
@@ -137,8 +147,10 @@ int experts_gate_up_args(const char* fn, int qtype, const void* w_gate_sh, const
                          GateUpArgs* sh, GateUpArgs* rt, bool* v) {
   TM_TRY(check_f32_alignment(fn, "h", h));
   *v = true;
-  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v));
-  return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v);
+  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v, nullptr,
+                      0.0f));
+  return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v, nullptr,
+                      0.0f);
 }
 
 // tm_experts_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
@@ -172,19 +184,16 @@ int experts_gate_up(const char* fn, int qtype, const void* w_gate_sh, const void
   });
 }
 
-}  // namespace tm_cuda
-
-using namespace tm_cuda;
-
-extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
-                                   float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                                   int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
-  const char* fn = "tm_moe_gate_up";
+// tm_moe_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
+int moe_gate_up(const char* fn, int qtype, const void* w_gate, const void* w_up, const float* h, const uint8_t* hq,
+                const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
+                int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
+                cudaStream_t s) {
   TM_TRY(check_f32_alignment(fn, "h", h));
   GateUpArgs a;
   bool v = true;
   TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, slot_begin, slot_count, n_experts, ffn, hidden, h,
-                      &a, &v));
+                      &a, &v, h_sums, eps));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, hidden);
@@ -192,12 +201,11 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
   const int64_t n_pairs = n_tokens * slot_count;
   const int64_t n_tiles = ceil_div(ffn, kRowsPerBlock);
   TM_TRY(check_gate_up_blocks(fn, n_pairs * n_tiles, n_tokens));
-  const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
     if (grouped_gate_up_fits(lim, n_tokens, n_pairs, n_tiles, n_experts))
-      return launch_grouped_gate_up<F, V>(lim, fn, a, h, nullptr, n_tokens, hidden, nblocks, s);
+      return launch_grouped_gate_up<F, V>(lim, fn, a, h, hq, n_tokens, hidden, nblocks, s);
     for (int64_t p0 = 0; p0 < n_pairs; p0 += lim.max_grid_x) {
       const int64_t gx = n_pairs - p0 < lim.max_grid_x ? n_pairs - p0 : lim.max_grid_x;
       for (int64_t y0 = 0; y0 < n_tiles; y0 += lim.max_grid_yz) {
@@ -209,6 +217,18 @@ extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_
     }
     return TM_OK;
   });
+}
+
+}  // namespace tm_cuda
+
+using namespace tm_cuda;
+
+extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
+                                   float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
+                                   int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
+                                   void* stream) {
+  return moe_gate_up("tm_moe_gate_up", qtype, w_gate, w_up, h, nullptr, ids, act, n_tokens, top_k, slot_begin,
+                     slot_count, n_experts, ffn, hidden, h_sums, eps, as_stream(stream));
 }
 
 extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,

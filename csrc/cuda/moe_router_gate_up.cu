@@ -20,16 +20,6 @@ namespace {
 #ifndef TM_RGU_NORM_PROBE
 #define TM_RGU_NORM_PROBE 0
 #endif
-// TM_RGU_DEFERRED_Q8_PROBE=1: the shared blocks multiply int8 groups at once (the scratch's h groups, stale: wrong
-// results), with neither the norm nor the quantization of h: the bound of a deferred norm whose producer
-// (attn_output) writes x * norm_w's groups, as the down does for qkv (results/NOTES.md lesson 180). 2: also each
-// warp scales its dots by an inv summed from 2 KB loaded after them (x's first 512 values standing in for the
-// group sums): the product form's cost in the gate-up. 3: as 2, each lane's chunk of the sums added before the
-// dots (one register held across them; lesson 184).
-#ifndef TM_RGU_DEFERRED_Q8_PROBE
-#define TM_RGU_DEFERRED_Q8_PROBE 0
-#endif
-static_assert(TM_RGU_DEFERRED_Q8_PROBE >= 0 && TM_RGU_DEFERRED_Q8_PROBE <= 3, "TM_RGU_DEFERRED_Q8_PROBE: 0 to 3");
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
@@ -71,6 +61,9 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 //   shared-expert block: normalises x[t] itself into shared memory (the same function again, so the same h) and
 //     runs experts_gate_up_block on it: no ticket, no wait, so it starts streaming as soon as pdl_wait returns.
 //     (Waiting for router block 0's h, with a ticket, cost each of them two dependent round trips: NOTES v4l.)
+//     With the deferred norm (D: xw and xss given) it multiplies xw (its int8 groups on tiled rows) at once and
+//     scales by the inv of xss (gate_up_block's DN = 2): no norm of x, no barrier before its first weight load
+//     (results/NOTES.md lesson 186: +3% decode on the H200).
 //   routed block: polls ids_ready[t] (relaxed) and h_ready[t] (acquire: then h is visible) in one loop, takes
 //     its slot's expert id from the ids word, then experts_gate_up_block. Beyond kIdsInFlag slots block 0
 //     releases h_ready after ids instead, and the routed blocks wait for it alone and read ids.
@@ -208,11 +201,11 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-template <Fmt F, bool V>
+template <Fmt F, bool V, bool D>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
                                   float* h, int64_t n_tokens, int64_t hidden, int64_t nblocks, uint32_t* sync,
-                                  uint8_t* h_groups) {
+                                  uint8_t* h_groups, const float* xw, const uint8_t* xw_groups) {
   static_assert(kRowsPerBlock * 32 == kNormThreads, "router and shared blocks compute norm.cuh's tree");
   extern __shared__ __align__(16) float rg_smem[];
   __shared__ uint32_t s_ticket, s_raised;
@@ -223,7 +216,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   stamp(0);
   const bool shared_block = blockIdx.x >= router_blocks && blockIdx.x < router_blocks + sh_blocks;
   float wv[kNormHeld];  // a shared block's norm weights, loaded before pdl_wait: only x is read after it
-  if (shared_block) load_norm_weights(ra.norm_w, hidden, wv);
+  if (shared_block && !D) load_norm_weights(ra.norm_w, hidden, wv);
   if (blockIdx.x < router_blocks) {  // most likely a router block: its router row and the norm weights into L2
     const int64_t e = (blockIdx.x % per_token) * kRowsPerBlock + warp;
     if (e < ra.n_experts) prefetch_row_l2(ra.w_router + e * hidden, hidden * 4, lane);
@@ -246,16 +239,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     }
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
-    gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
-#elif TM_RGU_DEFERRED_Q8_PROBE  // timing only: stale int8 groups in place of h's (wrong results)
-    (void)hbuf;
-    if constexpr (fmt_tiled(F))
-      gate_up_block<F, V, uint8_t, TM_RGU_DEFERRED_Q8_PROBE - 1>(
-          sh, static_cast<const uint8_t*>(h_groups) + p.pair * q8act_bytes(hidden), 0, nblocks, p.pair, p.tile, -1,
-          ra.x, hidden, ra.eps);
-    else
-      gate_up_block<F, V>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
+    gate_up_block<F, V, float, 0>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
+    if constexpr (D) {  // the deferred norm: xw's groups (tiled rows) or floats, scaled by the inv of xss
+      if constexpr (fmt_tiled(F))
+        gate_up_block<F, V, uint8_t, 2>(sh, xw_groups, q8act_bytes(hidden), nblocks, p.pair, p.tile);
+      else
+        gate_up_block<F, V, float, 2>(sh, xw, hidden, nblocks, p.pair, p.tile);
+      stamp_end();
+      return;
+    }
     block_rmsnorm_held(ra.x + p.pair * hidden, ra.norm_w, wv, hidden, ra.eps, hbuf, nullptr,
                        hbuf + router_h_floats(hidden));
     if constexpr (fmt_tiled(F)) {  // h's int8 groups once for the block's 8 warps (tiled rows: hidden % 128 == 0)
@@ -265,10 +258,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         __syncthreads();
       }
       stamp(3);
-      gate_up_block<F, V>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+      gate_up_block<F, V, uint8_t, 0>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
     } else {
       stamp(3);
-      gate_up_block<F, V>(sh, static_cast<const float*>(hbuf), 0, nblocks, p.pair, p.tile);
+      gate_up_block<F, V, float, 0>(sh, static_cast<const float*>(hbuf), 0, nblocks, p.pair, p.tile);
     }
 #endif
     stamp_end();
@@ -304,9 +297,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const int e = ids_in_flag ? static_cast<int>((ids >> (8 * (p.pair - t * slots))) & 0xffu) : -1;
 #endif
   if constexpr (fmt_tiled(F))
-    gate_up_block<F, V>(rt, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair, p.tile, e);
+    gate_up_block<F, V, uint8_t, 0>(rt, static_cast<const uint8_t*>(sy.hq), q8act_bytes(hidden), nblocks, p.pair,
+                                    p.tile, e);
   else
-    gate_up_block<F, V>(rt, static_cast<const float*>(h), hidden, nblocks, p.pair, p.tile, e);
+    gate_up_block<F, V, float, 0>(rt, static_cast<const float*>(h), hidden, nblocks, p.pair, p.tile, e);
   stamp_end();
 }
 
@@ -341,11 +335,12 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                               const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                               int64_t n_experts, int64_t hidden, int64_t top_k, int normalize,
                                               int64_t ffn, int32_t* scratch, uint8_t* act_groups_sh,
-                                              uint8_t* act_groups, void* stream) {
+                                              uint8_t* act_groups, const float* xw, const float* xss,
+                                              const uint8_t* xw_groups, void* stream) {
   const char* fn = "tm_router_experts_gate_up";
   for (const auto& [name, p] : {std::pair<const char*, const void*>{"x", x}, {"norm_w", norm_w},
                                 {"w_router", w_router}, {"weights", weights}, {"gate_inp_sh", gate_inp_sh},
-                                {"gate_sh", gate_sh}})
+                                {"gate_sh", gate_sh}, {"xw", xw}, {"xss", xss}})
     TM_TRY(check_f32_alignment(fn, name, p));
   if (!aligned(scratch, 16))  // the ticket word is one 64-bit atomic; h's groups are read as 16-byte words
     return tm_set_error(TM_ERR_INVALID_ARGUMENT, "%s: scratch must be 16-byte aligned", fn);
@@ -355,6 +350,13 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                               n_experts, ffn, hidden, h, &sh, &rt, &v));
   set_act_groups(&sh, act_groups_sh, ffn_sh);
   set_act_groups(&rt, act_groups, ffn);
+  sh.h_sums = xss;  // the shared expert's deferred norm, or none
+  sh.eps = eps;
+  const Fmt f = fmt_for(qtype, hidden);
+  // The one launch's shared blocks take the deferred norm from 16-byte rows of sums (gate_up_block's DN = 2), and on
+  // tiled rows from xw's groups
+  const bool deferred_fits = aligned(xw, 16) && grouped_inv_vector_ok(xss, hidden) &&
+                             (!fmt_tiled(f) || xw_groups != nullptr);
   Limits lim;
   TM_TRY(get_limits(&lim));
   // h's int8 groups in the scratch (tiled rows): the routed blocks' or the grouped GEMMs' activations
@@ -364,7 +366,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                     ceil_div(ffn_sh, kRowsPerBlock) + top_k * ceil_div(ffn, kRowsPerBlock));
   // More experts than one warp ranks, a grid beyond the limits, or a step of several tokens whose gate-ups fit the
   // grouped kernel (faster than the fused launch's pair per block): the launches this one stands for.
-  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x ||
+  if (n_experts > 64 || smem > lim.smem_block || total > lim.max_grid_x || (xw != nullptr && !deferred_fits) ||
       grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
@@ -378,13 +380,19 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
     // would otherwise round each token's h in every warp and lane step.
     const uint8_t* hq = nullptr;
-    if (fmt_tiled(fmt_for(qtype, hidden)) &&
-        grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
+    if (fmt_tiled(f) && grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
       TM_TRY(launch_act_groups(lim, fn, h, h_groups, n_tokens, hidden, as_stream(stream)));
       hq = h_groups;
     }
-    TM_TRY(experts_gate_up(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, hq, ids, act, n_tokens,
-                           top_k, n_experts, ffn, hidden, as_stream(stream)));
+    if (xw != nullptr) {  // the shared expert's deferred form, then the slots on h
+      TM_TRY(moe_gate_up(fn, qtype, w_gate_sh, w_up_sh, xw, xw_groups, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh,
+                         hidden, xss, eps, as_stream(stream)));
+      TM_TRY(moe_gate_up(fn, qtype, w_gate, w_up, h, hq, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
+                         nullptr, 0.0f, as_stream(stream)));
+    } else {
+      TM_TRY(experts_gate_up(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, hq, ids, act, n_tokens,
+                             top_k, n_experts, ffn, hidden, as_stream(stream)));
+    }
     if (act_groups_sh == nullptr) return TM_OK;
     TM_TRY(launch_act_groups(lim, fn, act_sh, act_groups_sh, n_tokens, ffn_sh, as_stream(stream)));
     return launch_act_groups(lim, fn, act, act_groups, n_tokens * top_k, ffn, as_stream(stream));
@@ -393,17 +401,20 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
   const RouterArgs ra{x, norm_w, eps, w_router, ids, weights, n_experts, top_k, normalize, gate_inp_sh, gate_sh,
                       f32_row_mode(hidden, aligned(gate_inp_sh, 16))};
   const int router_mode = f32_row_mode(hidden, aligned(w_router, 16));
-  const Fmt f = fmt_for(qtype, hidden);
   const int64_t nblocks = hidden / fmt_vals(f);
   uint32_t* sync = reinterpret_cast<uint32_t*>(scratch);
   const cudaStream_t s = as_stream(stream);
   return dispatch_fmt(f, v, [&](auto ftag, auto vtag) -> int {
     constexpr Fmt F = decltype(ftag)::value;
     constexpr bool V = decltype(vtag)::value;
-    TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(&router_experts_gate_up_kernel<F, V>), smem, fn));
-    return launch(lim, fn, router_experts_gate_up_kernel<F, V>, dim3(static_cast<unsigned>(total)),
-                  dim3(kRowsPerBlock * 32), static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens,
-                  hidden, nblocks, sync, h_groups);
+    auto run = [&](auto kernel) -> int {
+      TM_TRY(ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, fn));
+      return launch(lim, fn, kernel, dim3(static_cast<unsigned>(total)), dim3(kRowsPerBlock * 32),
+                    static_cast<size_t>(smem), s, ra, router_mode, sh, rt, h, n_tokens, hidden, nblocks, sync,
+                    h_groups, xw, xw_groups);
+    };
+    return xw != nullptr ? run(router_experts_gate_up_kernel<F, V, true>)
+                         : run(router_experts_gate_up_kernel<F, V, false>);
   });
 }
 

@@ -163,7 +163,7 @@ __device__ __forceinline__ float warp_grouped_inv(Partial partial, int64_t dim, 
 // The same from sums in global memory that no thread of this grid writes, through L1 (the block's warps and the
 // SM's blocks share the lines; results/NOTES.md v11) 16 bytes at a time, one round trip: every lane's chunk whole
 // and 16-byte aligned (grouped_inv_vector_ok).
-__device__ __forceinline__ bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
+__host__ __device__ inline bool grouped_inv_vector_ok(const float* sums, int64_t dim) {
   return norm_groups(dim) % 128 == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
 }
 // One quad of sums added to a lane's running sum, in order.
@@ -183,6 +183,25 @@ __device__ __forceinline__ float lane_grouped_sum_ldg(const float* sums, int64_t
 __device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
   return rms_inv_from_sum(warp_sum(lane_grouped_sum_ldg(sums, dim)), dim, eps);
 }
+// A lane's chunk sum from sums in global memory of any alignment and length (the same order: the same bits).
+__device__ __forceinline__ float lane_grouped_sum(const float* sums, int64_t dim) {
+  if (grouped_inv_vector_ok(sums, dim)) return lane_grouped_sum_ldg(sums, dim);
+  const int64_t groups = norm_groups(dim), chunk = norm_lane_chunk(dim);
+  const int64_t g0 = (threadIdx.x & 31) * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
+  float ss = 0.0f;
+  for (int64_t g = g0; g < g1; ++g) ss = __fadd_rn(ss, __ldg(sums + g));
+  return ss;
+}
+__device__ __forceinline__ float warp_grouped_inv_any(const float* sums, int64_t dim, float eps) {
+  return rms_inv_from_sum(warp_sum(lane_grouped_sum(sums, dim)), dim, eps);
+}
+
+// The next normalisation's factors of rows x [n_tokens, dim] in one launch, one thread a group of kNormGroup values:
+// xw = x * w, the group sums xss and (xw_q nullable) xw's int8 groups, as tm_rmsnorm_factors and the kernels that
+// write them in their epilogues do (norm_embed.cu; the down's and the matmul's fallback for shapes whose own launch
+// does not write them).
+int launch_norm_factors(const Limits& lim, const char* fn, const float* x, const float* w, float* xw, float* xss,
+                        uint8_t* xw_q, int64_t n_tokens, int64_t dim, cudaStream_t s);
 // The same inv with the sums loaded ahead of a warp's dot products and held in registers across them (16 a lane at
 // dim 2,048), added after them: their round trip overlaps the dots instead of following them (results/NOTES.md
 // lesson 181). Held where a lane's chunk is at most kAheadQuads whole quads.

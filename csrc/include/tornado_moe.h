@@ -171,10 +171,17 @@ static inline int64_t tm_act_groups_bytes(int64_t n) { return (n + 511) / 512 * 
  * kernel that wrote x wrote them (tm_attention's out_groups), read instead of rounding x. x_sums (nullable, not
  * with scale; float32 [n_tokens, tm_norm_groups(cols)]): x's grouped sums of squares as tm_rmsnorm_factors writes
  * xss; the product is then scaled by the inv tm_rmsnorm_factors would compute from them with eps (the same bits),
- * so that a kernel that wrote xw and xss (tm_experts_down_accumulate) needs no norm launch before this one. */
+ * so that a kernel that wrote xw and xss (tm_experts_down_accumulate) needs no norm launch before this one.
+ * next_norm_w, y_w and y_ss (all or none; float32 [rows], [T, rows] and [T, tm_norm_groups(rows)]): also the next
+ * normalisation's factors of the y written here, y_w = y * next_norm_w and y's grouped sums of squares, as
+ * tm_rmsnorm_factors writes xw and xss (the same bits), so that its consumer needs no norm launch (attn_output for
+ * the shared expert's gate-up: tm_router_experts_gate_up's xw and xss). y_w_groups (nullable, only with y_w, rows a
+ * multiple of 4; [T, tm_act_groups_bytes(rows)] bytes): y_w's int8 groups too. CUDA writes them in the product's own
+ * launch for one token with rows a multiple of 8 and no scale, else in a second launch after it. */
 TM_API int tm_matmul(tm_device device, int qtype, const void* w, const float* x, const float* bias, float* y,
                      int64_t n_tokens, int64_t rows, int64_t cols, int accumulate, const float* scale,
-                     const uint8_t* x_groups, const float* x_sums, float eps, void* stream);
+                     const uint8_t* x_groups, const float* x_sums, float eps, const float* next_norm_w, float* y_w,
+                     float* y_ss, uint8_t* y_w_groups, void* stream);
 
 /* RoPE and KV-cache append. q [T, n_heads, head_dim] is rotated in place; k [T, n_kv, head_dim] is rotated and
  * written with v [T, n_kv, head_dim] to k_cache/v_cache [max_ctx, n_kv, head_dim] at row pos[0] + t.
@@ -237,6 +244,10 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
 /* Routed experts, gate-up + SwiGLU, for the slots [slot_begin, slot_begin + slot_count) of every token:
  * e = ids[t, s]; act[t, s, :] = silu(W_gate[e] h[t]) * (W_up[e] h[t]), silu(g) = g / (1 + exp(-g)).
  * w_gate, w_up [n_experts, ffn, hidden] of qtype; h [T, hidden]; ids [T, top_k]; act [T, top_k, ffn].
+ * h_sums (nullable; float32 [T, tm_norm_groups(hidden)]): the deferred norm (tm_rmsnorm_factors), h being its xw
+ * and h_sums its xss: g and u are each multiplied by the inv tm_rmsnorm_factors computes from the sums with eps (a
+ * rounded product each) before the SwiGLU, so that act is the gate-up of the normalised row with xw's rounding
+ * (the shared expert's form: tm_router_experts_gate_up's xw).
  * The fused task calls it once with (0, top_k); the per-slot tasks once per slot with (s, 1): the result for a
  * given (t, s) is bitwise the same either way. ids == NULL means expert 0 for every slot (a dense FFN or a
  * shared expert is this function with n_experts = 1, top_k = 1). On CUDA a call of several tokens and at most
@@ -244,7 +255,8 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
  * tokens): the same bits as a block per pair, which one token and larger calls take. */
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, void* stream);
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums,
+                          float eps, void* stream);
 
 /* The shared expert's gate-up and every routed slot's, in one launch: bitwise
  *   tm_moe_gate_up(w_gate_sh, w_up_sh, h, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden) followed by
@@ -300,14 +312,23 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * [T, tm_act_groups_bytes(ffn_sh)] and [T, top_k, tm_act_groups_bytes(ffn)] bytes, ffn_sh and ffn multiples of 4):
  * act_sh's and act's int8 groups instead of the floats, for tm_experts_down_accumulate, which then reads only the
  * groups: act_sh and act become work space that the one-launch path does not write (its blocks' float stores
- * cost the decode step ~0.5%). */
+ * cost the decode step ~0.5%).
+ * xw and xss (both or neither; float32 [T, hidden] and [T, tm_norm_groups(hidden)]): the FFN norm deferred for the
+ * shared expert: x * norm_w and x's grouped sums of squares as tm_rmsnorm_factors writes them (tm_matmul's y_w and
+ * y_ss: attn_output writes them). The shared expert's gate-up is then
+ *   tm_moe_gate_up(w_gate_sh, w_up_sh, xw, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden, xss, eps)
+ * instead of the product with h, so that its blocks stream their rows at once instead of normalising x first
+ * (results/NOTES.md lesson 186); the router's logits, gate_sh and the routed slots still take h. xw_groups
+ * (nullable, only with xw; [T, tm_act_groups_bytes(hidden)] bytes): xw's int8 groups, which the one launch's shared
+ * blocks of TM_Q8_0_TILED rows multiply (without them CUDA makes the separate calls). */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
                                      const float* gate_inp_sh, float* gate_sh,
                                      const void* w_gate, const void* w_up, float* act, int64_t n_tokens,
                                      int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                     int32_t* scratch, uint8_t* act_groups_sh, uint8_t* act_groups, void* stream);
+                                     int32_t* scratch, uint8_t* act_groups_sh, uint8_t* act_groups, const float* xw,
+                                     const float* xss, const uint8_t* xw_groups, void* stream);
 
 /* Routed experts, down projection + accumulate, slots [slot_begin, slot_begin + slot_count) in increasing
  * order, one running float32 accumulator per output row seeded from x and written once:
@@ -370,21 +391,23 @@ static inline int64_t tm_router_experts_ffn_scratch_words(int64_t n_tokens, int6
  * weights with hidden and ffn_sh multiples of 256, ffn a multiple of 128, top_k <= 4 and n_experts <= 64 as ONE
  * persistent launch on a device with the copy engine's bulk copies (compute capability 9; one block per
  * multiprocessor, whose blocks wait for each other: the device must not be shared with other work that holds
- * multiprocessors, as under MPS limits); otherwise the two launches above. tm_router_experts_ffn_launches says
- * which. */
+ * multiprocessors, as under MPS limits) without xw; otherwise the two launches above. tm_router_experts_ffn_launches
+ * says which. xw, xss and xw_groups: tm_router_experts_gate_up's (the shared expert's deferred norm). */
 TM_API int tm_router_experts_ffn(tm_device device, float* x, const float* norm_w, float eps, float* h,
                                  const float* w_router, int32_t* ids, float* weights, int qtype,
                                  const void* w_gate_sh, const void* w_up_sh, const void* w_down_sh, float* act_sh,
                                  int64_t ffn_sh, const float* gate_inp_sh, float* gate_sh, const void* w_gate,
                                  const void* w_up, const void* w_down, float* act, int64_t n_tokens,
                                  int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, int64_t ffn,
-                                 int32_t* scratch, void* stream);
+                                 int32_t* scratch, const float* xw, const float* xss, const uint8_t* xw_groups,
+                                 void* stream);
 
 /* Kernel launches tm_router_experts_ffn makes for these arguments on the current device of `device` (1: the
  * persistent launch; 2: the two launches), its buffers being 16-byte aligned as torch and the tiled upload make
- * them; the CPU's one call counts 1. Negative: an error (tm_last_error). */
+ * them; deferred_norm: whether xw is given. The CPU's one call counts 1. Negative: an error (tm_last_error). */
 TM_API int tm_router_experts_ffn_launches(tm_device device, int qtype, int64_t n_tokens, int64_t n_experts,
-                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn);
+                                          int64_t top_k, int64_t hidden, int64_t ffn_sh, int64_t ffn,
+                                          int deferred_norm);
 
 /* Greedy: out[t] = argmax_v logits[t, v], ties to the lowest id; NaN never wins. */
 TM_API int tm_argmax(tm_device device, const float* logits, int32_t* out, int64_t n_tokens, int64_t vocab,

@@ -23,7 +23,7 @@ int tm_cuda_rmsnorm_factors(const float*, const float*, float*, float*, float*, 
   return no_cuda("tm_rmsnorm_factors");
 }
 int tm_cuda_matmul(int, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t, int, const float*,
-                   const uint8_t*, const float*, float, void*) {
+                   const uint8_t*, const float*, float, const float*, float*, float*, uint8_t*, void*) {
   return no_cuda("tm_matmul");
 }
 int tm_cuda_rope_kv_append(float*, const float*, const float*, float*, float*, const int32_t*, int64_t, int64_t,
@@ -49,7 +49,7 @@ int tm_cuda_rmsnorm_router_topk(const float*, const float*, float, float*, const
   return no_cuda("tm_rmsnorm_router_topk");
 }
 int tm_cuda_moe_gate_up(int, const void*, const void*, const float*, const int32_t*, float*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, void*) {
+                        int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float, void*) {
   return no_cuda("tm_moe_gate_up");
 }
 int tm_cuda_experts_gate_up(int, const void*, const void*, float*, int64_t, const void*, const void*, const float*,
@@ -59,7 +59,7 @@ int tm_cuda_experts_gate_up(int, const void*, const void*, float*, int64_t, cons
 int tm_cuda_router_experts_gate_up(const float*, const float*, float, float*, const float*, int32_t*, float*, int,
                                    const void*, const void*, float*, int64_t, const float*, float*, const void*,
                                    const void*, float*, int64_t, int64_t, int64_t, int64_t, int, int64_t, int32_t*,
-                                   uint8_t*, uint8_t*, void*) {
+                                   uint8_t*, uint8_t*, const float*, const float*, const uint8_t*, void*) {
   return no_cuda("tm_router_experts_gate_up");
 }
 int tm_cuda_router_experts_ffn(float*, const float*, float, float*, const float*, int32_t*, float*, int,

@@ -154,7 +154,8 @@ void rmsnorm_factors(const Tensor& x, const Tensor& w, const Tensor& xw, const O
 
 void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bias, const Tensor& y, int64_t n_tokens,
             int64_t rows, int64_t cols, bool accumulate, const OptTensor& scale, const OptTensor& x_groups,
-            const OptTensor& x_sums, double eps, int64_t stream) {
+            const OptTensor& x_sums, double eps, const OptTensor& next_norm_w, const OptTensor& y_w,
+            const OptTensor& y_ss, const OptTensor& y_w_groups, int64_t stream) {
   Args a("tornado_moe.matmul");
   const void* w_p = a.weights(w, "w", qtype, rows * row_bytes(qtype, cols));
   const float* x_p = a.data<const float>(x, "x", kF32, n_tokens * cols);
@@ -163,9 +164,13 @@ void matmul(int64_t qtype, const Tensor& w, const Tensor& x, const OptTensor& bi
   const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
   const uint8_t* xg_p = a.optional<const uint8_t>(x_groups, "x_groups", kU8, n_tokens * tm_act_groups_bytes(cols));
   const float* xs_p = a.optional<const float>(x_sums, "x_sums", kF32, n_tokens * tm_norm_groups(cols));
+  const float* nw_p = a.optional<const float>(next_norm_w, "next_norm_w", kF32, rows);
+  float* yw_p = a.optional<float>(y_w, "y_w", kF32, n_tokens * rows);
+  float* yss_p = a.optional<float>(y_ss, "y_ss", kF32, n_tokens * tm_norm_groups(rows));
+  uint8_t* ywg_p = a.optional<uint8_t>(y_w_groups, "y_w_groups", kU8, n_tokens * tm_act_groups_bytes(rows));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_matmul(a.device(), static_cast<int>(qtype), w_p, x_p, b_p, y_p, n_tokens, rows, cols, accumulate ? 1 : 0,
-                    s_p, xg_p, xs_p, static_cast<float>(eps), as_stream(stream)));
+                    s_p, xg_p, xs_p, static_cast<float>(eps), nw_p, yw_p, yss_p, ywg_p, as_stream(stream)));
 }
 
 void rope_kv_append(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
@@ -274,7 +279,8 @@ void rmsnorm_router_topk(const Tensor& x, const Tensor& norm_w, double eps, cons
 
 void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const OptTensor& ids,
                  const Tensor& act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                 int64_t n_experts, int64_t ffn, int64_t hidden, int64_t stream) {
+                 int64_t n_experts, int64_t ffn, int64_t hidden, const OptTensor& h_sums, double eps,
+                 int64_t stream) {
   Args a("tornado_moe.moe_gate_up");
   const int64_t expert_bytes = ffn * row_bytes(qtype, hidden);
   const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * expert_bytes);
@@ -282,9 +288,10 @@ void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const 
   const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
   const int32_t* ids_p = a.optional<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
   float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
+  const float* hs_p = a.optional<const float>(h_sums, "h_sums", kF32, n_tokens * tm_norm_groups(hidden));
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_moe_gate_up(a.device(), static_cast<int>(qtype), g_p, u_p, h_p, ids_p, act_p, n_tokens, top_k, slot_begin,
-                         slot_count, n_experts, ffn, hidden, as_stream(stream)));
+                         slot_count, n_experts, ffn, hidden, hs_p, static_cast<float>(eps), as_stream(stream)));
 }
 
 // The weights and activations of both gate-up halves (experts_gate_up and router_experts_gate_up).
@@ -309,6 +316,20 @@ ExpertsGateUpPtrs experts_gate_up_ptrs(Args& a, int64_t qtype, const Tensor& w_g
                            a.data<float>(act, "act", kF32, n_tokens * top_k * ffn)};
 }
 
+// The shared expert's deferred FFN norm (router_experts_gate_up and router_experts_ffn): xw, xss, xw_groups.
+struct DeferredNormPtrs {
+  const float* xw;
+  const float* xss;
+  const uint8_t* xw_groups;
+};
+DeferredNormPtrs deferred_norm_ptrs(Args& a, const OptTensor& xw, const OptTensor& xss, const OptTensor& xw_groups,
+                                    int64_t n_tokens, int64_t hidden) {
+  return DeferredNormPtrs{
+      a.optional<const float>(xw, "xw", kF32, n_tokens * hidden),
+      a.optional<const float>(xss, "xss", kF32, n_tokens * tm_norm_groups(hidden)),
+      a.optional<const uint8_t>(xw_groups, "xw_groups", kU8, n_tokens * tm_act_groups_bytes(hidden))};
+}
+
 void experts_gate_up(int64_t qtype, const Tensor& w_gate_sh, const Tensor& w_up_sh, const Tensor& act_sh, int64_t ffn_sh,
                      const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const Tensor& ids, const Tensor& act,
                      int64_t n_tokens, int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden,
@@ -329,7 +350,8 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
                             const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
                             const Tensor& w_up, const Tensor& act, int64_t n_tokens, int64_t n_experts,
                             int64_t hidden, int64_t top_k, bool normalize, int64_t ffn, const Tensor& scratch,
-                            const OptTensor& act_groups_sh, const OptTensor& act_groups, int64_t stream) {
+                            const OptTensor& act_groups_sh, const OptTensor& act_groups, const OptTensor& xw,
+                            const OptTensor& xss, const OptTensor& xw_groups, int64_t stream) {
   Args a("tornado_moe.router_experts_gate_up");
   const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
@@ -339,11 +361,13 @@ void router_experts_gate_up(const Tensor& x, const Tensor& norm_w, double eps, c
   int32_t* sc_p = a.data<int32_t>(scratch, "scratch", kI32, tm_router_gate_up_scratch_words(n_tokens, n_experts, hidden));
   uint8_t* ags_p = a.optional<uint8_t>(act_groups_sh, "act_groups_sh", kU8, n_tokens * tm_act_groups_bytes(ffn_sh));
   uint8_t* ag_p = a.optional<uint8_t>(act_groups, "act_groups", kU8, n_tokens * top_k * tm_act_groups_bytes(ffn));
+  const DeferredNormPtrs dn = deferred_norm_ptrs(a, xw, xss, xw_groups, n_tokens, hidden);
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_gate_up(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids,
                                     r.weights, static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, g.act_sh, ffn_sh,
                                     gi_p, gs_p, g.w_gate, g.w_up, g.act, n_tokens, n_experts, hidden, top_k,
-                                    normalize ? 1 : 0, ffn, sc_p, ags_p, ag_p, as_stream(stream)));
+                                    normalize ? 1 : 0, ffn, sc_p, ags_p, ag_p, dn.xw, dn.xss, dn.xw_groups,
+                                    as_stream(stream)));
 }
 
 void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const Tensor& h, const Tensor& w_router,
@@ -352,7 +376,8 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
                         const OptTensor& gate_inp_sh, const OptTensor& gate_sh, const Tensor& w_gate,
                         const Tensor& w_up, const Tensor& w_down, const Tensor& act, int64_t n_tokens,
                         int64_t n_experts, int64_t hidden, int64_t top_k, bool normalize, int64_t ffn,
-                        const Tensor& scratch, int64_t stream) {
+                        const Tensor& scratch, const OptTensor& xw, const OptTensor& xss, const OptTensor& xw_groups,
+                        int64_t stream) {
   Args a("tornado_moe.router_experts_ffn");
   const RouterPtrs r = router_ptrs(a, x, norm_w, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k);
   const ExpertsGateUpPtrs g = experts_gate_up_ptrs(a, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, act,
@@ -363,11 +388,12 @@ void router_experts_ffn(const Tensor& x, const Tensor& norm_w, double eps, const
   float* gs_p = a.optional<float>(gate_sh, "gate_sh", kF32, n_tokens);
   int32_t* sc_p =
       a.data<int32_t>(scratch, "scratch", kI32, tm_router_experts_ffn_scratch_words(n_tokens, n_experts, hidden));
+  const DeferredNormPtrs dn = deferred_norm_ptrs(a, xw, xss, xw_groups, n_tokens, hidden);
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_router_experts_ffn(a.device(), r.x, r.norm_w, static_cast<float>(eps), r.h, r.w_router, r.ids, r.weights,
                                 static_cast<int>(qtype), g.w_gate_sh, g.w_up_sh, ds_p, g.act_sh, ffn_sh, gi_p, gs_p,
                                 g.w_gate, g.w_up, d_p, g.act, n_tokens, n_experts, hidden, top_k, normalize ? 1 : 0,
-                                ffn, sc_p, as_stream(stream)));
+                                ffn, sc_p, dn.xw, dn.xss, dn.xw_groups, as_stream(stream)));
 }
 
 int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
@@ -375,9 +401,9 @@ int64_t router_experts_ffn_scratch_words(int64_t n_tokens, int64_t n_experts, in
 }
 
 int64_t router_experts_ffn_launches(bool cuda, int64_t qtype, int64_t n_tokens, int64_t n_experts, int64_t top_k,
-                                    int64_t hidden, int64_t ffn_sh, int64_t ffn) {
+                                    int64_t hidden, int64_t ffn_sh, int64_t ffn, bool deferred_norm) {
   const int n = tm_router_experts_ffn_launches(cuda ? TM_DEVICE_CUDA : TM_DEVICE_CPU, static_cast<int>(qtype),
-                                               n_tokens, n_experts, top_k, hidden, ffn_sh, ffn);
+                                               n_tokens, n_experts, top_k, hidden, ffn_sh, ffn, deferred_norm ? 1 : 0);
   TORCH_CHECK(n > 0, "tornado_moe.router_experts_ffn_launches: ", tm_last_error(), " (status ", num(n), ")");
   return n;
 }
@@ -525,7 +551,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_factors(Tensor x, Tensor w, Tensor(a!) xw, Tensor(b!)? xss, Tensor(c!) inv, int n_tokens, int dim, "
         "float eps, int stream) -> ()");
   m.def("matmul(int qtype, Tensor w, Tensor x, Tensor? bias, Tensor(a!) y, int n_tokens, int rows, int cols, "
-        "bool accumulate, Tensor? scale, Tensor? x_groups, Tensor? x_sums, float eps, int stream) -> ()");
+        "bool accumulate, Tensor? scale, Tensor? x_groups, Tensor? x_sums, float eps, Tensor? next_norm_w, "
+        "Tensor(b!)? y_w, Tensor(c!)? y_ss, Tensor(d!)? y_w_groups, int stream) -> ()");
   m.def("rope_kv_append(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor pos, "
         "int n_tokens, int n_heads, int n_kv_heads, int head_dim, int max_ctx, float freq_base, bool neox, "
         "int stream) -> ()");
@@ -541,7 +568,8 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
         "Tensor(c!) weights, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("moe_gate_up(int qtype, Tensor w_gate, Tensor w_up, Tensor h, Tensor? ids, Tensor(a!) act, int n_tokens, "
-        "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, int stream) -> ()");
+        "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, Tensor? h_sums, float eps, "
+        "int stream) -> ()");
   m.def("experts_gate_up(int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(a!) act_sh, int ffn_sh, Tensor w_gate, "
         "Tensor w_up, Tensor h, Tensor ids, Tensor(b!) act, int n_tokens, int top_k, int n_experts, int ffn, "
         "int hidden, int stream) -> ()");
@@ -549,12 +577,12 @@ TORCH_LIBRARY(tornado_moe, m) {
         "Tensor(c!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(d!) act_sh, int ffn_sh, "
         "Tensor? gate_inp_sh, Tensor(g!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor(e!) act, int n_tokens, "
         "int n_experts, int hidden, int top_k, bool normalize, int ffn, Tensor(f!) scratch, Tensor(h!)? act_groups_sh, "
-        "Tensor(i!)? act_groups, int stream) -> ()");
+        "Tensor(i!)? act_groups, Tensor? xw, Tensor? xss, Tensor? xw_groups, int stream) -> ()");
   m.def("router_experts_ffn(Tensor(a!) x, Tensor norm_w, float eps, Tensor(b!) h, Tensor w_router, Tensor(c!) ids, "
         "Tensor(d!) weights, int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor w_down_sh, Tensor(e!) act_sh, "
         "int ffn_sh, Tensor? gate_inp_sh, Tensor(f!)? gate_sh, Tensor w_gate, Tensor w_up, Tensor w_down, "
         "Tensor(g!) act, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int ffn, "
-        "Tensor(h!) scratch, int stream) -> ()");
+        "Tensor(h!) scratch, Tensor? xw, Tensor? xss, Tensor? xw_groups, int stream) -> ()");
   m.def("moe_down_accumulate(int qtype, Tensor w_down, Tensor act, Tensor? ids, Tensor? weights, Tensor? gate_inp, "
         "Tensor? h, Tensor(a!) x, int n_tokens, int top_k, int slot_begin, int slot_count, int n_experts, "
         "int hidden, int ffn, int stream) -> ()");
@@ -582,7 +610,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("attention_scratch_words(int n_tokens, int n_heads, int head_dim) -> int", &attention_scratch_words);
   m.def("router_experts_ffn_scratch_words(int n_tokens, int n_experts, int hidden) -> int", &router_experts_ffn_scratch_words);
   m.def("router_experts_ffn_launches(bool cuda, int qtype, int n_tokens, int n_experts, int top_k, int hidden, "
-        "int ffn_sh, int ffn) -> int",
+        "int ffn_sh, int ffn, bool deferred_norm) -> int",
         &router_experts_ffn_launches);
 }
 

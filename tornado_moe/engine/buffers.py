@@ -70,6 +70,10 @@ class Activations:
         self.xw = torch.zeros(T, cfg.hidden, **f32)
         self.xss = torch.zeros(T, tm_ops.norm_groups(cfg.hidden), **f32)
         self.norm_inv = torch.zeros(T, **f32)
+        # the FFN norm's factors for the shared expert's deferred gate-up, written by attn_output (its y_w,
+        # y_ss and y_w_groups) and read in the same layer
+        self.ffn_xw = torch.zeros(T, cfg.hidden, **f32)
+        self.ffn_xss = torch.zeros(T, tm_ops.norm_groups(cfg.hidden), **f32)
         self.q = torch.zeros(T, cfg.n_heads * cfg.head_dim, **f32)
         self.k = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
         self.v = torch.zeros(T, cfg.n_kv_heads * cfg.head_dim, **f32)
@@ -95,6 +99,7 @@ class Activations:
         self.act_dense_groups = torch.zeros(T, tm_ops.act_groups_bytes(max(ffn_dense, 1)), **u8)
         self.act_groups = torch.zeros(T, k, tm_ops.act_groups_bytes(max(cfg.expert_ffn, 1)), **u8)
         self.xw_groups = torch.zeros(T, tm_ops.act_groups_bytes(cfg.hidden), **u8)
+        self.ffn_xw_groups = torch.zeros(T, tm_ops.act_groups_bytes(cfg.hidden), **u8)
         self.attn_groups = torch.zeros(T, tm_ops.act_groups_bytes(cfg.n_heads * cfg.head_dim), **u8)
         self.logits = torch.zeros(1, cfg.vocab, **f32)  # a step's last token's only (logits_graph)
         self.tokens = torch.zeros(T, **i32)

@@ -8,7 +8,8 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
   xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
   each warp evaluates inv alone after them;
-- ``attention``, ``attn_output`` (+ residual);
+- ``attention``, ``attn_output`` (+ residual; with a shared expert it also writes the FFN norm's factors
+  xw = x * ffn_norm, x's partial sums of squares and xw's int8 groups, for the shared expert's gate-up);
 - ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
   launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
@@ -25,6 +26,10 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
     ``routed_experts_down_accumulate``;
   - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
     ``shared_expert_down`` and ``routed_expert_down_<s>`` for every slot s.
+The shared expert's gate-up takes the FFN norm deferred, on every route and device: it multiplies xw and
+scales its gate and up values by inv (moe_gate_up's h_sums; the router's logits and the routed slots keep
+h = rmsnorm(x)), so that its blocks in the fused launch stream their rows at once instead of normalising x
+first (results/NOTES.md lesson 186).
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
 (the shared expert, or the dense FFN, first; then the routed slots in slot order). Gate-up tasks come before
 the down tasks so that every kernel whose weights are known before its inputs (the shared expert's) can
@@ -98,6 +103,12 @@ def _qkv_fused(dm: DeviceModel, i: int) -> bool:
             and _w(L, "attn_q").qtype == _w(L, "attn_k").qtype == _w(L, "attn_v").qtype)
 
 
+def _shared_norm_deferred(dm: DeviceModel) -> bool:
+    """Whether the shared expert's gate-up takes the FFN norm deferred (module docstring): with a shared
+    expert, on every route and device, so that the routes' bits agree."""
+    return bool(dm.config.n_experts and dm.config.shared_ffn)
+
+
 def _ffn_in_one_launch(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
     """Whether layer i's FFN half is the library's one-launch router_experts_ffn (module docstring)."""
     cfg, L = dm.config, dm.layers[i]
@@ -108,7 +119,7 @@ def _ffn_in_one_launch(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: boo
             == _w(L, "ffn_down_shexp").qtype == _w(L, "ffn_down_exps").qtype):
         return False
     return tm_ops.router_experts_ffn_launches(dm.device, qt, n_tokens, cfg.n_experts, cfg.top_k, cfg.hidden,
-                                              cfg.shared_ffn, cfg.expert_ffn) == 1
+                                              cfg.shared_ffn, cfg.expert_ffn, _shared_norm_deferred(dm)) == 1
 
 
 def _fused_down(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
@@ -170,7 +181,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         for name, w, out, rows in (("q", wq, act.q, cfg.n_heads * hd), ("k", wk, act.k, cfg.n_kv_heads * hd),
                                    ("v", wv, act.v, cfg.n_kv_heads * hd)):
             g.task(f"attn_{name}", "matmul", w.qtype, w.data, act.h, _f32(L, f"attn_{name}_bias"), out, T,
-                   rows, H, False, act.norm_inv, None, None, 0.0)
+                   rows, H, False, act.norm_inv, None, None, 0.0, None, None, None, None)
         if cfg.qk_norm:  # q and k normalised in place, as rows of the norm's width (a head, or a token's all)
             for name, out, n, width in zip(("q", "k"), (act.q, act.k), (cfg.n_heads, cfg.n_kv_heads),
                                            cfg.qk_norm_widths, strict=True):
@@ -183,8 +194,14 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
+    # the FFN norm's factors for the shared expert's deferred gate-up (its groups where its rows read them)
+    deferred = _shared_norm_deferred(dm)
+    ffn_factors = ((_f32(L, "ffn_norm"), act.ffn_xw, act.ffn_xss,
+                    act.ffn_xw_groups if _takes_groups(_w(L, "ffn_gate_shexp")) else None)
+                   if deferred else (None, None, None, None))
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
-           None, attn_groups, None, 0.0)
+           None, attn_groups, None, 0.0, *ffn_factors)
+    _, ffn_xw, ffn_xss, ffn_xw_groups = ffn_factors
 
     E, k, ffn = cfg.n_experts, cfg.top_k, cfg.expert_ffn
     # The FFN's first task: the router (RMSNorm fused), or ffn_norm for dense models; emitted below unless the
@@ -207,8 +224,10 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         sg, su, sd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
         s_qt, s_gate = _same_format(sg, su), _f32(L, "ffn_gate_inp_shexp")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, act.h, None,
-                         act.act_dense, T, 1, 0, 1, 1, dffn, H))
+        # the shared expert on xw scaled by inv (deferred), the dense FFN on h
+        s_in, s_sums = (ffn_xw, ffn_xss) if deferred else (act.h, None)
+        gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, s_in, None,
+                         act.act_dense, T, 1, 0, 1, 1, dffn, H, s_sums, cfg.rms_eps))
         downs.append((f"{label}_down", "moe_down_accumulate", sd.qtype, sd.data, act.act_dense, None, None,
                       s_gate, act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
@@ -218,8 +237,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         # (gate-up task, down task, first slot, slot count): one launch each over all slots, or one per slot
         shapes = ([("routed_experts_gate_up_swiglu", "routed_experts_down_accumulate", 0, k)] if fuse_experts
                   else [(f"routed_expert_gate_up_{s}", f"routed_expert_down_{s}", s, 1) for s in range(k)])
-        gate_ups += [(name, "moe_gate_up", qt, wg.data, wu.data, act.h, ids, act.act, T, k, s0, n, E, ffn, H)
-                     for name, _, s0, n in shapes]
+        gate_ups += [(name, "moe_gate_up", qt, wg.data, wu.data, act.h, ids, act.act, T, k, s0, n, E, ffn, H,
+                      None, 0.0) for name, _, s0, n in shapes]
         downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
                    s0, n, E, H, ffn) for _, name, s0, n in shapes]
         # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch, whose
@@ -234,7 +253,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
             router_task = None
             gate_ups = [("router_experts_gate_up", "router_experts_gate_up", *router_io, qt, sg.data,
                          su.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, act.act, T, E, H, k,
-                         cfg.normalize_topk, ffn, act.router_scratch, *act_groups)]
+                         cfg.normalize_topk, ffn, act.router_scratch, *act_groups, ffn_xw, ffn_xss,
+                         ffn_xw_groups)]
         if fused_down:
             gate_inp_sh = None if gate_sh is not None else s_gate  # the gate once: from the router or here
             # and the next layer's xw and xss (and xw's groups), which its qkv_rope then reads instead of
@@ -250,7 +270,8 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         if _ffn_in_one_launch(dm, i, T, fuse_experts):
             gate_ups = [("router_experts_ffn", "router_experts_ffn", *router_io, qt, sg.data, su.data,
                          sd.data, act.act_dense, dffn, s_gate, gate_sh, wg.data, wu.data, wd.data, act.act, T,
-                         E, H, k, cfg.normalize_topk, ffn, act.router_scratch)]
+                         E, H, k, cfg.normalize_topk, ffn, act.router_scratch, ffn_xw, ffn_xss,
+                         ffn_xw_groups)]
             downs = []
     for task in ([router_task] if router_task else []) + gate_ups + downs:
         g.task(*task)
@@ -271,12 +292,12 @@ def logits_graph(dm: DeviceModel, act: Activations, n_tokens: int, sampler: Samp
     if _writes_next_xw(dm, cfg.n_layers - 1, T, fuse_experts):
         groups = act.xw_groups[row] if _takes_groups(out) else None
         g.task("output", "matmul", out.qtype, out.data, act.xw[row], None, logits, 1, cfg.vocab, cfg.hidden,
-               False, None, groups, act.xss[row], cfg.rms_eps)
+               False, None, groups, act.xss[row], cfg.rms_eps, None, None, None, None)
     else:
         g.task("output_norm", "rmsnorm_factors", act.x[row], dm.output_norm.floats, act.h[row], None,
                act.norm_inv[:1], 1, cfg.hidden, cfg.rms_eps)
         g.task("output", "matmul", out.qtype, out.data, act.h[row], None, logits, 1, cfg.vocab, cfg.hidden,
-               False, act.norm_inv[:1], None, None, 0.0)
+               False, act.norm_inv[:1], None, None, 0.0, None, None, None, None)
     next_token = act.tokens[:1]
     log = (act.token_log, act.token_log.numel())  # where the position's advance logs the token chosen
     if sampler.greedy:  # the choice and the position's advance by the step's tokens in one launch

@@ -64,7 +64,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "rmsnorm": ("x", "w", "y", "n_tokens", "dim", "eps"),
     "rmsnorm_factors": ("x", "w", "xw", "xss", "inv", "n_tokens", "dim", "eps"),
     "matmul": ("qtype", "w", "x", "bias", "y", "n_tokens", "rows", "cols", "accumulate", "scale", "x_groups",
-               "x_sums", "eps"),
+               "x_sums", "eps", "next_norm_w", "y_w", "y_ss", "y_w_groups"),
     "rope_kv_append": ("q", "k", "v", "k_cache", "v_cache", "pos", "n_tokens", "n_heads", "n_kv_heads",
                        "head_dim", "max_ctx", "freq_base", "neox"),
     "qkv_rope": ("qtype", "x", "xw", "xss", "norm_w", "eps", "w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "q",
@@ -77,17 +77,17 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
                             "hidden", "top_k", "normalize"),
     "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
-                    "slot_count", "n_experts", "ffn", "hidden"),
+                    "slot_count", "n_experts", "ffn", "hidden", "h_sums", "eps"),
     "experts_gate_up": ("qtype", "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "h", "ids",
                         "act", "n_tokens", "top_k", "n_experts", "ffn", "hidden"),
     "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
                                "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                                "w_up", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize", "ffn",
-                               "scratch", "act_groups_sh", "act_groups"),
+                               "scratch", "act_groups_sh", "act_groups", "xw", "xss", "xw_groups"),
     "router_experts_ffn": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype", "w_gate_sh",
                            "w_up_sh", "w_down_sh", "act_sh", "ffn_sh", "gate_inp_sh", "gate_sh", "w_gate",
                            "w_up", "w_down", "act", "n_tokens", "n_experts", "hidden", "top_k", "normalize",
-                           "ffn", "scratch"),
+                           "ffn", "scratch", "xw", "xss", "xw_groups"),
     "moe_down_accumulate": ("qtype", "w_down", "act", "ids", "weights", "gate_inp", "h", "x", "n_tokens",
                             "top_k", "slot_begin", "slot_count", "n_experts", "hidden", "ffn"),
     "experts_down_accumulate": ("qtype", "w_down_sh", "act_sh", "gate_inp_sh", "gate_sh", "ffn_sh", "w_down",
@@ -166,14 +166,21 @@ def matmul(
     x_groups: torch.Tensor | None = None,
     x_sums: torch.Tensor | None = None,
     eps: float = 0.0,
+    next_norm_w: torch.Tensor | None = None,
+    y_w: torch.Tensor | None = None,
+    y_ss: torch.Tensor | None = None,
+    y_w_groups: torch.Tensor | None = None,
 ) -> None:
     """y = W x (* scale[t]) (+ bias) (+ y when accumulating). ``x_groups`` (uint8): x's int8 groups as the
     kernel that wrote x wrote them (attention's out_groups), which Q8_0 products read instead of rounding
     x. ``x_sums`` (instead of ``scale``): x = rmsnorm_factors' xw and these its xss; the product is scaled
     by the inv rmsnorm_factors computes from them with ``eps`` (the same bits), so that no norm launch
-    need come between the kernel that wrote xw and xss (the down) and this one (the output head)."""
+    need come between the kernel that wrote xw and xss (the down) and this one (the output head).
+    ``next_norm_w``, ``y_w``, ``y_ss`` (all or none): also the next norm's factors of y, y_w = y * next_norm_w
+    and y's grouped sums of squares as rmsnorm_factors writes xw and xss; ``y_w_groups`` (uint8, with y_w):
+    y_w's int8 groups too (tornado_moe.h, tm_matmul)."""
     _ops().matmul(qtype, w, x, bias, y, n_tokens, rows, cols, accumulate, scale, x_groups, x_sums, eps,
-                  stream_of(y))
+                  next_norm_w, y_w, y_ss, y_w_groups, stream_of(y))
 
 
 def rope_kv_append(
@@ -323,7 +330,11 @@ def moe_gate_up(
     n_experts: int,
     ffn: int,
     hidden: int,
+    h_sums: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
+    """``h_sums`` (float32 [n_tokens, norm_groups(hidden)]): the deferred norm, h being rmsnorm_factors' xw
+    and these its xss; gate and up are scaled by the inv computed from them with ``eps`` (tornado_moe.h)."""
     _ops().moe_gate_up(
         qtype,
         w_gate,
@@ -338,6 +349,8 @@ def moe_gate_up(
         n_experts,
         ffn,
         hidden,
+        h_sums,
+        eps,
         stream_of(act),
     )
 
@@ -391,6 +404,9 @@ def router_experts_gate_up(
     scratch: torch.Tensor,
     act_groups_sh: torch.Tensor | None = None,
     act_groups: torch.Tensor | None = None,
+    xw: torch.Tensor | None = None,
+    xss: torch.Tensor | None = None,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """rmsnorm_router_topk then experts_gate_up in one launch, bitwise: on CUDA the shared expert's rows
     stream while the router runs. ``scratch``: int32, ``router_gate_up_scratch_words(n_tokens, n_experts,
@@ -402,11 +418,14 @@ def router_experts_gate_up(
     blocks. ``act_groups_sh`` and ``act_groups`` (uint8, both or neither: [n_tokens, act_groups_bytes(ffn_sh)]
     and [n_tokens, top_k, act_groups_bytes(ffn)]): act_sh's and act's int8 groups instead of the floats, for
     the down, which then reads only them: act_sh and act become work space that the one-launch CUDA path does
-    not write (the floats' stores cost its blocks ~0.5% of the decode step)."""
+    not write (the floats' stores cost its blocks ~0.5% of the decode step). ``xw`` and ``xss`` (both or
+    neither; ``xw_groups``, uint8, only with xw): the FFN norm deferred for the shared expert, x * norm_w,
+    x's grouped sums of squares and xw's int8 groups as matmul's y_w, y_ss, y_w_groups wrote them
+    (tornado_moe.h)."""
     _ops().router_experts_gate_up(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                                   act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, act, n_tokens,
                                   n_experts, hidden, top_k, normalize, ffn, scratch, act_groups_sh,
-                                  act_groups, stream_of(act))
+                                  act_groups, xw, xss, xw_groups, stream_of(act))
 
 
 def router_gate_up_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
@@ -448,16 +467,22 @@ def router_experts_ffn(
     normalize: bool,
     ffn: int,
     scratch: torch.Tensor,
+    xw: torch.Tensor | None = None,
+    xss: torch.Tensor | None = None,
+    xw_groups: torch.Tensor | None = None,
 ) -> None:
     """The whole MoE FFN half of a layer: router_experts_gate_up then experts_down_accumulate (with the gate
     factors gate_sh), bitwise. When chosen (``set_ffn_one_launch`` or ``TORNADO_MOE_FFN_ONE_LAUNCH=1``; off
     by default, as it measured slower on the H200), a decode step (``n_tokens == 1``, tiled Q8_0) on an sm_90
     GPU is ONE persistent launch whose weights stream through shared memory while the router runs (see
     ``router_experts_ffn_launches``). ``scratch``: int32, ``router_experts_ffn_scratch_words(n_tokens,
-    n_experts, hidden)`` elements, zero before the first call; it may also serve router_experts_gate_up."""
+    n_experts, hidden)`` elements, zero before the first call; it may also serve router_experts_gate_up.
+    ``xw``, ``xss``, ``xw_groups``: router_experts_gate_up's (the shared expert's deferred norm;
+    tornado_moe.h)."""
     _ops().router_experts_ffn(x, norm_w, eps, h, w_router, ids, weights, qtype, w_gate_sh, w_up_sh,
                               w_down_sh, act_sh, ffn_sh, gate_inp_sh, gate_sh, w_gate, w_up, w_down, act,
-                              n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch, stream_of(x))
+                              n_tokens, n_experts, hidden, top_k, normalize, ffn, scratch, xw, xss, xw_groups,
+                              stream_of(x))
 
 
 def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int, hidden: int) -> int:
@@ -466,12 +491,14 @@ def router_experts_ffn_scratch_words(n_tokens: int, n_experts: int, hidden: int)
 
 
 def router_experts_ffn_launches(device: torch.device | str, qtype: int, n_tokens: int, n_experts: int,
-                                top_k: int, hidden: int, ffn_sh: int, ffn: int) -> int:
+                                top_k: int, hidden: int, ffn_sh: int, ffn: int,
+                                deferred_norm: bool = False) -> int:
     """Kernel launches router_experts_ffn makes for these shapes on ``device``'s current GPU: 1 (the
-    persistent launch) or 2 (its two-launch form); 1 on the CPU (one call)."""
+    persistent launch) or 2 (its two-launch form); 1 on the CPU (one call). ``deferred_norm``: whether the
+    call passes xw (tornado_moe.h)."""
     cuda = torch.device(device).type == "cuda"
     return int(_ops().router_experts_ffn_launches(cuda, qtype, n_tokens, n_experts, top_k, hidden, ffn_sh,
-                                                  ffn))
+                                                  ffn, deferred_norm))
 
 
 def moe_down_accumulate(

@@ -13,14 +13,16 @@ clarity, not speed:
 - FFN on ``h = rmsnorm(x)``: dense ``down(silu(gate h) * up h)``, or MoE: ``p = softmax(Wr h)`` over all
   experts, top-k by p (ties to the lowest expert id), weights = selected p (renormalised to sum 1 for
   qwen3moe and Mixtral-style llama files), routed ``sum_s w_s down_e(silu(gate_e h) * up_e h)`` in slot
-  order, plus the qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)``;
+  order, plus the qwen2moe shared expert ``sigmoid(w_sh . h) * down_sh(silu(gate_sh h) * up_sh h)`` (its gate
+  and up products in the deferred form below);
   ``x += routed + shared``
 - logits = ``output`` (or ``token_embd`` when tied) @ ``rmsnorm(x) * output_norm``, in the deferred form below
 
 Every product with a Q8_0 weight takes its activations rounded to int8 groups (:func:`q8_round`, as the
 kernels do: csrc/common/act_quant.h). The rounding applies to the vector the kernels multiply: for q, k, v
 that is ``x * attn_norm``, the product then scaled by ``1 / rms(x)`` (the kernels' deferred norm), and for the
-output head ``x * output_norm``, scaled the same way.
+output head ``x * output_norm``, scaled the same way, and for the shared expert's gate and up
+``x * ffn_norm``, scaled the same way before the SwiGLU.
 """
 
 from __future__ import annotations
@@ -230,7 +232,10 @@ class ReferenceModel:
                 out[t] += w[t, s] * (down[e] @ self._act(i, "ffn_down_exps", a))
         if c.shared_ffn:
             g = torch.sigmoid(h @ L["ffn_gate_inp_shexp"])[:, None]  # [T, 1]
-            out = out + g * ffn("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+            # the kernels' deferred norm, as for q, k and v: W (x * ffn_norm), then / rms(x)
+            xw, inv = x * L["ffn_norm"], rms_inv(x, c.rms_eps)
+            a = silu(self._mm(i, "ffn_gate_shexp", xw) * inv) * (self._mm(i, "ffn_up_shexp", xw) * inv)
+            out = out + g * self._mm(i, "ffn_down_shexp", a)
         return out
 
     def forward(

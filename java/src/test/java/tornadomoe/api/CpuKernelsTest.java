@@ -170,9 +170,10 @@ public class CpuKernelsTest {
         ByteBuffer acc = NativeTestSupport.floats(y0);
         TaskGraph g = new TaskGraph("g")
                 .task("mm", "matmul", F32, buf(wb, "w"), buf(xb, "x"), null, buf(plain, "plain"), (long) tokens,
-                        (long) rows, (long) cols, false, null, null, null, 0.0f)
+                        (long) rows, (long) cols, false, null, null, null, 0.0f, null, null, null, null)
                 .task("mm_bias_acc", "matmul", F32, buf(wb, "w"), buf(xb, "x"), buf(NativeTestSupport.floats(bias),
-                        "bias"), buf(acc, "acc"), (long) tokens, (long) rows, (long) cols, 1, null, null, null, 0.0f);
+                        "bias"), buf(acc, "acc"), (long) tokens, (long) rows, (long) cols, 1, null, null, null, 0.0f,
+                        null, null, null, null);
         run(g);
         float[] p = NativeTestSupport.readFloats(plain, tokens * rows);
         float[] a = NativeTestSupport.readFloats(acc, tokens * rows);
@@ -210,7 +211,7 @@ public class CpuKernelsTest {
         ByteBuffer y = NativeTestSupport.zeros(tokens * rows);
         run(new TaskGraph("g").task("mm", "matmul", Q8_0, buf(q8_0(rows, cols, scales, codes), "w"),
                 buf(NativeTestSupport.floats(x), "x"), null, buf(y, "y"), (long) tokens, (long) rows,
-                (long) cols, false, null, null, null, 0.0f));
+                (long) cols, false, null, null, null, 0.0f, null, null, null, null));
         float[] got = NativeTestSupport.readFloats(y, tokens * rows);
         for (int t = 0; t < tokens; t++) {
             for (int r = 0; r < rows; r++) {
@@ -315,7 +316,7 @@ public class CpuKernelsTest {
                 .task("norm", "rmsnorm", xb, buf(NativeTestSupport.floats(normW), "norm_w"), hb, 1L, (long) dim,
                         1e-6f)
                 .task("output", "matmul", Q8_0, buf(q8_0(outRows, dim, scales, codes), "output_w"), hb, null, lb,
-                        1L, (long) outRows, (long) dim, false, null, null, null, 0.0f)
+                        1L, (long) outRows, (long) dim, false, null, null, null, 0.0f, null, null, null, null)
                 .task("argmax", "argmax", lb, buf(next, "next"), 1L, (long) outRows)
                 .transferToHost(DataTransferMode.EVERY_EXECUTION, buf(next, "next"));
         run(g);

@@ -31,8 +31,9 @@ public class NativeKernelTableTest {
         m.put("embedding", "qpppiii");          // qtype, table, ids, out, n_tokens, vocab, dim
         m.put("rmsnorm", "pppiif");             // x, w, y, n_tokens, dim, eps
         m.put("rmsnorm_factors", "pppnpiif");   // x, w, xw, xss?, inv, n_tokens, dim, eps
-        m.put("matmul", "qppnpiiibnnnf");       // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?,
-                                                // x_groups?, x_sums?, eps
+        m.put("matmul", "qppnpiiibnnnfnnnn");   // qtype, w, x, bias?, y, n_tokens, rows, cols, accumulate, scale?,
+                                                // x_groups?, x_sums?, eps, next_norm_w?, y_w?, y_ss?,
+                                                // y_w_groups?
         m.put("rope_kv_append", "ppppppiiiiifb"); // q k v k_cache v_cache pos, T, heads, kv, hd, ctx, base, neox
         m.put("qkv_rope", "qpnnpfpppnnnppppiiiiiifbn"); // qtype x xw? xss? norm_w eps, w_q w_k w_v, b_q? b_k? b_v?,
                                                        // q k_cache v_cache pos, T hidden heads kv hd ctx, base,
@@ -41,17 +42,20 @@ public class NativeKernelTableTest {
                                                 // out_groups?
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
-        m.put("moe_gate_up", "qpppnpiiiiiii");  // qtype gate up h ids? act, T top_k s0 n E ffn hidden
+        m.put("moe_gate_up", "qpppnpiiiiiiinf"); // qtype gate up h ids? act, T top_k s0 n E ffn hidden, h_sums?
+                                                 // eps
         m.put("experts_gate_up", "qpppipppppiiiii"); // qtype, shared gate up act ffn, gate up h ids act, 5 ints
-        m.put("router_experts_gate_up", "ppfppppqpppinnpppiiiibipnn"); // x norm_w eps h w_router ids weights,
-                                                                    // qtype, shared gate up act ffn gate_inp?
-                                                                    // gate?, gate up act, T E hidden top_k,
-                                                                    // normalize, ffn, scratch, act_groups_sh?
-                                                                    // act_groups?
-        m.put("router_experts_ffn", "ppfppppqppppinnppppiiiibip"); // x norm_w eps h w_router ids weights, qtype
-                                                               // shared gate up down act ffn gate_inp? gate?,
-                                                               // gate up down act, T E hidden top_k, normalize,
-                                                               // ffn, scratch
+        m.put("router_experts_gate_up", "ppfppppqpppinnpppiiiibipnnnnn"); // x norm_w eps h w_router ids
+                                                                       // weights, qtype, shared gate up act ffn
+                                                                       // gate_inp? gate?, gate up act, T E
+                                                                       // hidden top_k, normalize, ffn, scratch,
+                                                                       // act_groups_sh? act_groups?, xw? xss?
+                                                                       // xw_groups?
+        m.put("router_experts_ffn", "ppfppppqppppinnppppiiiibipnnn"); // x norm_w eps h w_router ids weights,
+                                                                   // qtype, shared gate up down act ffn
+                                                                   // gate_inp? gate?, gate up down act, T E
+                                                                   // hidden top_k, normalize, ffn, scratch,
+                                                                   // xw? xss? xw_groups?
         m.put("moe_down_accumulate", "qppnnnnpiiiiiii"); // qtype down act ids? w? gate_inp? h? x, 7 ints
         m.put("experts_down_accumulate", "qppnnipppnnpnnniiiiinnn"); // qtype, shared down act gate_inp? gate?
                                                                  // ffn, down act ids weights? h? x next_norm_w?
