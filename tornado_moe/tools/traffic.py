@@ -45,6 +45,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _norm_factors(T: int, given: object, dim: int) -> int:
+    """A norm's deferred factors (xw and the partial sums of squares, rmsnorm_factors'), when given."""
+    return F32 * T * (dim + norm_groups(dim)) if given is not None else 0
+
+
 def _expert_share(T: int, ids: torch.Tensor | None, slots: int, n_experts: int) -> float:
     """The part of an expert stack a launch reads: all without ids, else the experts T * slots can pick."""
     return 1.0 if ids is None else min(T * slots, n_experts) / n_experts
@@ -88,8 +93,9 @@ def _router_experts_gate_up_bytes(T: int, a: dict) -> TaskBytes:
     """The two tasks it stands for, and the shared gate (its row, T written)."""
     r, g = _rmsnorm_router_bytes(T, a), _experts_gate_up_bytes(T, a)
     gate_out = F32 * T if a["gate_sh"] is not None else 0
+    # with the shared expert's deferred norm, xw and x's sums read too
     return TaskBytes(r.weights + g.weights + _nbytes(a["gate_inp_sh"]),
-                     r.activations + g.activations + gate_out)
+                     r.activations + g.activations + gate_out + _norm_factors(T, a.get("xw"), a["hidden"]))
 
 
 def _experts_down_bytes(T: int, a: dict) -> TaskBytes:
@@ -98,7 +104,7 @@ def _experts_down_bytes(T: int, a: dict) -> TaskBytes:
     rt = _down_bytes(T, a["w_down"], a["ids"], a["weights"], None, a["top_k"], a["n_experts"], a["ffn"],
                      a["hidden"])
     # the next norm's factor and partial sums written beside x
-    xw = F32 * T * (a["hidden"] + norm_groups(a["hidden"])) if a.get("xw") is not None else 0
+    xw = _norm_factors(T, a.get("next_norm_w"), a["hidden"])
     return TaskBytes(sh.weights + rt.weights + _nbytes(a.get("next_norm_w")),
                      sh.activations + rt.activations - 2 * F32 * T * a["hidden"] + xw)
 
@@ -122,7 +128,9 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "matmul":
         out = F32 * T * a["rows"] * (2 if a["accumulate"] else 1)
         sums = F32 * T * norm_groups(a["cols"]) if a["x_sums"] is not None else 0
-        return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]), F32 * T * a["cols"] + out + sums)
+        factors = _norm_factors(T, a["y_w"], a["rows"])  # the next norm's, written beside y
+        return TaskBytes(_nbytes(a["w"]) + _nbytes(a["bias"]) + _nbytes(a["next_norm_w"]),
+                         F32 * T * a["cols"] + out + sums + factors)
     if k == "rope_kv_append":
         q = F32 * T * a["n_heads"] * a["head_dim"]
         kv = F32 * T * a["n_kv_heads"] * a["head_dim"]
@@ -143,8 +151,10 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "rmsnorm_router_topk":
         return _rmsnorm_router_bytes(T, a)
     if k == "moe_gate_up":
-        return _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["slot_count"], a["n_experts"], a["ffn"],
-                              a["hidden"])
+        g = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["slot_count"], a["n_experts"], a["ffn"],
+                           a["hidden"])
+        sums = F32 * T * norm_groups(a["hidden"]) if a["h_sums"] is not None else 0
+        return TaskBytes(g.weights, g.activations + sums)
     if k == "moe_down_accumulate":
         return _down_bytes(T, a["w_down"], a["ids"], a["weights"], a["gate_inp"], a["slot_count"],
                            a["n_experts"], a["ffn"], a["hidden"])
