@@ -178,7 +178,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const XT* xs[1] = {h + t * h_stride};
     const float* sums = a.h_sums + t * norm_groups(a.h_dim);
     float lane_ss = 0.0f;  // this lane's chunk of the sums: DN = 2 adds it before the dots, DN = 1 after
-    if constexpr (DN == 2) lane_ss = lane_grouped_sum_ldg(sums, a.h_dim);  // the launcher checked the sums' shape
+    if constexpr (DN == 2) lane_ss = lane_grouped_sum(sums, a.h_dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
