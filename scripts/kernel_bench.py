@@ -60,6 +60,9 @@ GATE_SH = hasattr(K, "experts_down_accumulate") and (
 # Whether the producers write int8 activation groups for the next Q8_0 product (the q8-act path): then the
 # kernels are timed reading and writing them, as in the model.
 GROUPS = hasattr(K, "act_groups_bytes")
+# Whether the shared expert's gate-up takes the FFN norm deferred (attn_output writes xw, its sums and groups;
+# results/NOTES.md lesson 189): then attn_output and the gate-up are timed in that form, as in the model.
+DEFERRED_FFN = "xw" in getattr(K, "KERNEL_ARGS", {}).get("router_experts_gate_up", ())
 HOT_L2 = False  # --hot-l2: one copy of every weight and fixed experts, so weights stay in L2 between launches
 
 
@@ -115,11 +118,16 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
     rb = H // 32 * 34  # row bytes at hidden 2048
     out: list = []
 
-    def matmul(name: str, rows: int, cols: int, xin: torch.Tensor, y: torch.Tensor, acc: bool) -> None:
+    # the FFN norm's factors attn_output writes and the shared gate-up reads (the deferred FFN norm)
+    ffn_factors = dict(xw=torch.randn(1, H, **f32), xss=torch.rand(1, H // 4, **f32),
+                       xw_groups=groups_of(1, H))
+
+    def matmul(name: str, rows: int, cols: int, xin: torch.Tensor, y: torch.Tensor, acc: bool,
+               **factors: torch.Tensor) -> None:
         nbytes = rows * cols // 32 * 34
         def build() -> Callable[[int], None]:
             w = q8_0(rows, cols, copies_for(nbytes))
-            return lambda i: K.matmul(QT, w[i % w.shape[0]], xin, None, y, 1, rows, cols, acc)
+            return lambda i: K.matmul(QT, w[i % w.shape[0]], xin, None, y, 1, rows, cols, acc, **factors)
         out.append((name, nbytes, build))
 
     if hasattr(K, "qkv_rope"):
@@ -143,7 +151,9 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             return lambda i: K.attention(q, k_cache, v_cache, attn, at, 1, HEADS, HEADS, HD, CTX,
                                          *att_scratch)
         out.append((f"attention (ctx {n_ctx})", 0, attention))
-    matmul("attn_output (+residual)", H, H, attn, x, True)
+    matmul("attn_output (+residual)", H, H, attn, x, True,
+           **(dict(next_norm_w=norm_w, y_w=ffn_factors["xw"], y_ss=ffn_factors["xss"],
+                   y_w_groups=ffn_factors["xw_groups"]) if DEFERRED_FFN else {}))
 
     ids = torch.zeros(1, TOPK, dtype=torch.int32, device="cuda")
     wts = torch.rand(1, TOPK, **f32)
@@ -196,9 +206,10 @@ def kernels(att_contexts: tuple[int, ...] = (POS + 1,)
             scratch = torch.zeros(K.router_gate_up_scratch_words(1, E, H), dtype=torch.int32, device="cuda")
             gate = (gate_inp, gate_sh) if GATE_SH else ()  # the router blocks compute the shared gate (v4q)
             groups = (act_sh_groups, act_groups) if GROUPS else ()
+            deferred = ffn_factors if DEFERRED_FFN else {}
             return lambda i: K.router_experts_gate_up(
                 xs[i % len(xs)], norm_w, 1e-6, h, w_router, ids, wts, QT, sg[i % n], su[i % n], act_sh, SFFN,
-                *gate, wg, wu, act, 1, E, H, TOPK, False, FFN, scratch, *groups)
+                *gate, wg, wu, act, 1, E, H, TOPK, False, FFN, scratch, *groups, **deferred)
         out.append(("router_experts_gate_up (router + shared + 4 of 60)",
                     E * H * 4 + 2 * (SFFN + TOPK * FFN) * rb, router_experts_gate_up))
 
