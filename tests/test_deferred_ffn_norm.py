@@ -3,11 +3,11 @@
 - ``matmul`` with ``next_norm_w`` (attn_output) writes y and the next norm's factors of that y: y_w, y_ss and
   y_w's int8 groups are rmsnorm_factors' (and the groups' layout) bit for bit, in its own launch (one token,
   rows a multiple of 8) and after it (other shapes), with y itself the plain product's bits;
-- ``moe_gate_up`` with ``h_sums`` multiplies xw and scales g and u by the inv of the sums: against float64,
-  and a step of several tokens (CUDA: grouped GEMMs) gives the bits of the same tokens one at a time;
+- ``moe_gate_up`` with ``scale`` = rmsnorm_factors' inv multiplies xw and scales g and u by it: against
+  float64, and a step of several tokens (CUDA: grouped GEMMs) gives the bits of the same tokens one at a time;
 - ``router_experts_gate_up`` and ``router_experts_ffn`` with xw and xss are bitwise rmsnorm_router_topk, the
-  shared moe_gate_up on xw with h_sums and the routed moe_gate_up on h (then the down), in the one launch and
-  in its fallbacks, with and without xw's groups;
+  shared moe_gate_up on xw scaled by inv and the routed moe_gate_up on h (then the down), in the one launch
+  and in its fallbacks, with and without xw's groups;
 - the arguments go together or are refused.
 """
 
@@ -75,7 +75,7 @@ def test_matmul_writes_the_next_norms_factors(device: str, layout: str, with_gro
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["gguf", "tiled", "f16"])
 @pytest.mark.parametrize("n_tokens,hidden", [(1, 2048), (5, 256), (3, 288)])  # 288: the sums' scalar reader
-def test_moe_gate_up_with_sums_is_the_deferred_norm(device: str, layout: str, n_tokens: int,
+def test_moe_gate_up_with_scale_is_the_deferred_norm(device: str, layout: str, n_tokens: int,
                                                     hidden: int) -> None:
     """act = silu(W_g xw * inv) * (W_u xw * inv) against float64 (xw as the weights' format rounds it); the
     step of several tokens gives the bits of its tokens one at a time, on the floats or on xw's groups."""
@@ -87,10 +87,9 @@ def test_moe_gate_up_with_sums_is_the_deferred_norm(device: str, layout: str, n_
     (graw, g64), (uraw, u64) = (ref.make_weights(rng, (ffn, hidden), qt, 0.1) for _ in range(2))
     gw, uw = (tile_q8_0(r.to(device), hidden) if layout == "tiled" else r.to(device) for r in (graw, uraw))
     x, norm_w = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
-    xw, xss, inv = factors(x, norm_w)
+    xw, _, inv = factors(x, norm_w)
     act = poisoned((n_tokens, ffn), device)
-    K.moe_gate_up(QTYPE[layout], gw, uw, xw, None, act, n_tokens, 1, 0, 1, 1, ffn, hidden, h_sums=xss,
-                  eps=EPS)
+    K.moe_gate_up(QTYPE[layout], gw, uw, xw, None, act, n_tokens, 1, 0, 1, 1, ffn, hidden, scale=inv)
     assert not torch.isnan(act).any()
     # float64: the dequantized rows times xw as the kernels round it, scaled by inv
     xw64 = ref.dot_input(xw, qt)
@@ -100,7 +99,7 @@ def test_moe_gate_up_with_sums_is_the_deferred_norm(device: str, layout: str, n_
     one_by_one = poisoned((n_tokens, ffn), device)
     for t in range(n_tokens):
         K.moe_gate_up(QTYPE[layout], gw, uw, xw[t:t + 1], None, one_by_one[t:t + 1], 1, 1, 0, 1, 1, ffn,
-                      hidden, h_sums=xss[t:t + 1], eps=EPS)
+                      hidden, scale=inv[t:t + 1])
     assert torch.equal(act, one_by_one)
 
 
@@ -115,7 +114,8 @@ def gate_up_outputs(shape: tuple, device: str) -> list[torch.Tensor]:
 
 def shared_then_routed(device: str, layout: str, shape: tuple, normalize: bool) -> tuple[dict, list]:
     """The inputs of a router_experts_gate_up call with xw and xss, and its outputs made by the calls it
-    stands for: rmsnorm_router_topk, the shared moe_gate_up on xw with h_sums, the routed moe_gate_up on h."""
+    stands for: rmsnorm_router_topk, the shared moe_gate_up on xw scaled by rmsnorm_factors' inv (which the
+    kernel computes from xss), the routed moe_gate_up on h."""
     n_tokens, n_experts, top_k, ffn_sh, ffn, hidden = shape
     rng = np.random.default_rng(23)
     i = {name: weights(rng, rows, layout, device) for name, rows in
@@ -124,13 +124,12 @@ def shared_then_routed(device: str, layout: str, shape: tuple, normalize: bool) 
     i["x"], i["norm_w"] = randn(rng, (n_tokens, hidden), device, 3.0), randn(rng, (hidden,), device)
     i["w_router"] = randn(rng, (n_experts, hidden), device, 0.05)
     i["gate_inp"] = randn(rng, (hidden,), device, 0.05) if normalize else None
-    i["xw"], i["xss"], _ = factors(i["x"], i["norm_w"])
+    i["xw"], i["xss"], inv = factors(i["x"], i["norm_w"])
     out = h, ids, wt, sh, act = gate_up_outputs(shape, device)
     qt = QTYPE[layout]
     K.rmsnorm_router_topk(i["x"], i["norm_w"], EPS, h, i["w_router"], ids, wt, n_tokens, n_experts, hidden,
                           top_k, normalize)
-    K.moe_gate_up(qt, i["gs"], i["us"], i["xw"], None, sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden,
-                  h_sums=i["xss"], eps=EPS)
+    K.moe_gate_up(qt, i["gs"], i["us"], i["xw"], None, sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden, scale=inv)
     K.moe_gate_up(qt, i["g"], i["u"], h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden)
     assert not any(torch.isnan(t).any() for t in (h, wt, sh, act)) and (ids >= 0).all()
     return i, out
@@ -225,6 +224,3 @@ def test_deferred_norm_arguments_go_together(device: str) -> None:
     y, y_w = poisoned((1, 40), device), poisoned((1, 40), device)
     with pytest.raises(RuntimeError, match="give 'next_norm_w', 'y_w' and 'y_ss' together"):
         K.matmul(8, w, i["x"], None, y, 1, 40, hidden, y_w=y_w)
-    with pytest.raises(RuntimeError, match="argument 'eps' must be finite"):
-        K.moe_gate_up(8, i["gs"], i["us"], i["xw"], None, poisoned((1, 16), device), 1, 1, 0, 1, 1, 16,
-                      hidden, h_sums=i["xss"], eps=-1.0)

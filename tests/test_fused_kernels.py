@@ -440,9 +440,11 @@ def test_router_experts_gate_up_checks_its_scratch(device: str) -> None:
         K.router_experts_gate_up(x, x[0], 1e-6, h, router, ids, wt, 8, w, w, act, 4, None, None, w, w, act,
                                  n_tokens, n_experts, hidden, 2, False, 4, short)
     # 2 flag groups and the tagged logits, past router_experts_ffn's words (2 * (128 + 4 * 1024)) and on a
-    # 16-byte boundary, then each token's int8 groups of h (256 words per 512 values)
-    assert K.router_gate_up_scratch_words(33, 60, 2048) == 8448 + 33 * 4 * 256
-    assert K.router_gate_up_scratch_words(1000, 10, 600) == 64 + 4 * 1024 + 2 * 1000 * 10 + 1000 * 2 * 256
+    # 16-byte boundary, then each token's int8 groups of h (256 words per 512 values), then a float a token
+    # (the deferred shared gate-up's inv)
+    assert K.router_gate_up_scratch_words(33, 60, 2048) == 8448 + 33 * 4 * 256 + 33
+    assert (K.router_gate_up_scratch_words(1000, 10, 600)
+            == 64 + 4 * 1024 + 2 * 1000 * 10 + 1000 * 2 * 256 + 1000)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -55,8 +55,7 @@ int tm_set_error(int status, const char* fmt, ...);
                                   int64_t n_experts, int64_t hidden, int64_t top_k, int normalize, void* stream);   \
   int PREFIX##moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids, \
                           float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count, \
-                          int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,     \
-                          void* stream);                                                                      \
+                          int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale, void* stream); \
   int PREFIX##experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,          \
                               int64_t ffn_sh, const void* w_gate, const void* w_up, const float* h,          \
                               const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,               \

@@ -413,15 +413,14 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
 
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums,
-                          float eps, void* stream) {
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale,
+                          void* stream) {
   const char* fn = "tm_moe_gate_up";
   TM_TRY(check_device(fn, device));
   TM_TRY(check_gate_up_args(fn, qtype, "w_gate", w_gate, "w_up", w_up, h, "act", act, n_tokens, top_k, slot_begin,
                             slot_count, n_experts, "ffn", ffn, hidden));
-  if (h_sums != nullptr) TM_TRY(check_eps(fn, eps));
   return TM_FORWARD(moe_gate_up, device, qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, slot_begin, slot_count,
-                    n_experts, ffn, hidden, h_sums, eps, stream);
+                    n_experts, ffn, hidden, scale, stream);
 }
 
 TM_API int tm_experts_gate_up(tm_device device, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,

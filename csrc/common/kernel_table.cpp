@@ -98,11 +98,11 @@ const KernelRow kKernels[] = {
                                      i64(a[8]), i64(a[9]), i64(a[10]), i32(a[11]), s);
      },
      0},
-    {"moe_gate_up", "qpppnpiiiiiiinf",
+    {"moe_gate_up", "qpppnpiiiiiiin",
      [](tm_device d, const uint64_t* a, void* s) {
        return tm_moe_gate_up(d, i32(a[0]), ptr<const void>(a[1]), ptr<const void>(a[2]), ptr<const float>(a[3]),
                              ptr<const int32_t>(a[4]), ptr<float>(a[5]), i64(a[6]), i64(a[7]), i64(a[8]), i64(a[9]),
-                             i64(a[10]), i64(a[11]), i64(a[12]), ptr<const float>(a[13]), f32(a[14]), s);
+                             i64(a[10]), i64(a[11]), i64(a[12]), ptr<const float>(a[13]), s);
      },
      0},
     {"experts_gate_up", "qpppipppppiiiii",

@@ -46,9 +46,9 @@ extern "C" int tm_cpu_experts_gate_up(int qtype, const void* w_gate_sh, const vo
                                       const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k,
                                       int64_t n_experts, int64_t ffn, int64_t hidden, void* stream) {
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, h, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden,
-                            nullptr, 0.0f, stream));
+                            nullptr, stream));
   return tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
-                            nullptr, 0.0f, stream);
+                            nullptr, stream);
 }
 
 // A given gate_sh enters as the shared call's slot weights: w_eff = gate_sh[t], the bits of the gated call's
@@ -95,10 +95,14 @@ extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w
   if (gate_inp_sh != nullptr)
     for (int64_t t = 0; t < n_tokens; ++t) gate_sh[t] = tm_cpu::shared_gate(gate_inp_sh, h + t * hidden, hidden);
   // the shared expert's gate-up on h, or in the deferred form on xw scaled by the inv of xss
+  std::vector<float> inv;
+  if (xw != nullptr)
+    for (int64_t t = 0; t < n_tokens; ++t)
+      inv.push_back(tm_cpu::grouped_rms_inv(xss + t * tm_norm_groups(hidden), hidden, eps));
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, xw != nullptr ? xw : h, nullptr, act_sh, n_tokens, 1, 0, 1, 1,
-                            ffn_sh, hidden, xss, eps, stream));
+                            ffn_sh, hidden, xw != nullptr ? inv.data() : nullptr, stream));
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
-                            nullptr, 0.0f, stream));
+                            nullptr, stream));
   if (act_groups_sh != nullptr) {
     tm_act::store_row_groups(act_sh, act_groups_sh, n_tokens, ffn_sh);
     tm_act::store_row_groups(act, act_groups, n_tokens * top_k, ffn);

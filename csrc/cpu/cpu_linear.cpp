@@ -127,12 +127,7 @@ extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const flo
 // The value of one (t, s, r) depends only on e, r and h[t]: per-slot and fused calls agree bit for bit.
 extern "C" int tm_cpu_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
                                   float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                                  int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
-                                  void* stream) {
-  std::vector<float> inv;  // the deferred norm's scale of each token (h = xw)
-  if (h_sums != nullptr)
-    for (int64_t t = 0; t < n_tokens; ++t)
-      inv.push_back(grouped_rms_inv(h_sums + t * tm_norm_groups(hidden), hidden, eps));
+                                  int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale, void* stream) {
   ExpertGroups g;
   int status = group_by_expert("tm_moe_gate_up", ids, n_tokens, top_k, slot_begin, slot_count, n_experts, &g);
   if (status != TM_OK) return status;
@@ -167,9 +162,9 @@ extern "C" int tm_cpu_moe_gate_up(int qtype, const void* w_gate, const void* w_u
         for (int64_t i = 0; i < nr; ++i) {
           float gv = dot_f32(gate_tile.data() + i * hidden, ht, hidden);
           float uv = dot_f32(up_tile.data() + i * hidden, ht, hidden);
-          if (h_sums != nullptr) {
-            gv = gv * inv[static_cast<size_t>(t)];
-            uv = uv * inv[static_cast<size_t>(t)];
+          if (scale != nullptr) {  // the deferred norm's inv (h = xw)
+            gv = gv * scale[t];
+            uv = uv * scale[t];
           }
           out[i] = silu(gv) * uv;
         }

@@ -57,8 +57,9 @@ struct GateUpArgs {
   int64_t top_k, slot_begin, slot_count, n_experts, ffn, row_bytes;
   uint8_t* act_q;  // nullable: act's int8 groups too (qdot.cuh's q8act layout, act_q_stride bytes a slot row)
   int64_t act_q_stride;
-  // nullable: the deferred norm (tm_moe_gate_up's h_sums): h is xw, and g and u are scaled by the inv of token t's
-  // group sums h_sums + t * norm_groups(h_dim) (norm.cuh's deferred form) with eps
+  // The deferred norm (h is xw; g and u scaled by token t's inv): scale[t] (nullable; tm_moe_gate_up's scale), or
+  // in the fused launch's shared blocks the inv of the group sums h_sums + t * norm_groups(h_dim) with eps
+  const float* scale;
   const float* h_sums;
   int64_t h_dim;
   float eps;
@@ -85,7 +86,7 @@ inline void set_act_groups(Args* a, Groups* groups, int64_t n) {
 // moe_gate_up.cu's:
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                  int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
-                 int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* h_sums, float eps);
+                 int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* scale);
 int experts_gate_up_args(const char* fn, int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,
                          int64_t ffn_sh, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                          int64_t top_k, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h,
@@ -96,7 +97,7 @@ int experts_gate_up(const char* fn, int qtype, const void* w_gate_sh, const void
                     int64_t hidden, cudaStream_t s);
 int moe_gate_up(const char* fn, int qtype, const void* w_gate, const void* w_up, const float* h, const uint8_t* hq,
                 const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
+                int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale,
                 cudaStream_t s);
 // moe_down.cu's:
 int down_args(const char* fn, int qtype, const void* w_down, const float* act, const int32_t* ids,
@@ -155,11 +156,11 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // XT = uint8_t (tiled rows only): h is the q8act layout of the activations (qdot.cuh), h_stride in its bytes.
 // With a.act_q the block stores its rows' int8 groups instead of the floats (store_block_act_groups: the whole
 // block calls this).
-// The deferred norm (a.h_sums; results/NOTES.md lessons 180-186): DN = 0 never (the fused launch's routed blocks),
-// DN = 1 where a.h_sums is given, each lane adding its chunk of the sums after the dots, DN = 2 always, the chunk
-// added before the dots and only that one float held across them (the fused launch's shared blocks: on the H200
-// +3% decode against the norm of x in every block, lesson 186; the sums held whole across the dots, 16 registers,
-// measured slower at this kernel's 64-register cap, lesson 182). The same inv either way: norm.cuh's.
+// The deferred norm (results/NOTES.md lessons 180-189): DN = 0 never (the fused launch's routed blocks), DN = 1 by
+// a.scale where given, DN = 2 always, by the inv of a.h_sums, each lane adding its chunk of the sums before the
+// dots and holding only that one float across them (the fused launch's shared blocks: on the H200 +3% decode
+// against the norm of x in every block, lesson 186; the sums held whole across the dots, 16 registers, measured
+// slower at this kernel's 64-register cap, lesson 182). The same inv either way: norm.cuh's (tm_rmsnorm_factors').
 template <Fmt F, bool V, class XT = float, int DN = 1>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
@@ -176,18 +177,20 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const int64_t off = (e * a.ffn + r) * a.row_bytes;
     const uint8_t* wr[2] = {a.w_gate + off, a.w_up + off};
     const XT* xs[1] = {h + t * h_stride};
-    const float* sums = a.h_sums + t * norm_groups(a.h_dim);
-    float lane_ss = 0.0f;  // this lane's chunk of the sums: DN = 2 adds it before the dots, DN = 1 after
-    if constexpr (DN == 2) lane_ss = lane_grouped_sum(sums, a.h_dim);
+    float lane_ss = 0.0f;  // DN = 2: this lane's chunk of the sums, added before the dots
+    if constexpr (DN == 2) lane_ss = lane_grouped_sum(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
     else
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
-    if (DN == 2 || (DN == 1 && a.h_sums != nullptr)) {
-      if constexpr (DN == 1) lane_ss = lane_grouped_sum(sums, a.h_dim);
+    if constexpr (DN == 2) {
       const float inv = rms_inv_from_sum(warp_sum(lane_ss), a.h_dim, a.eps);
+      g = __fmul_rn(g, inv);
+      u = __fmul_rn(u, inv);
+    } else if (DN == 1 && a.scale != nullptr) {
+      const float inv = __ldg(a.scale + t);
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);
     }

@@ -84,17 +84,17 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
       warp_dot_q8act<F, 2, NT, true>(wr, xq, nblocks, gu);
     else
       warp_dot<F, 2, NT, true, V>(wr, xs, nblocks, gu);
-    if (a.h_sums != nullptr)  // the deferred norm: gate_up_block's scale (DN = 1), token by token
-#pragma unroll
-      for (int u = 0; u < NT; ++u) {
-        const int64_t t = static_cast<int64_t>(s_pairs[i + u] / slots);
-        const float inv = warp_grouped_inv_any(a.h_sums + t * norm_groups(hidden), hidden, a.eps);
-        gu[0][u] = __fmul_rn(gu[0][u], inv);
-        gu[1][u] = __fmul_rn(gu[1][u], inv);
-      }
     if (lane == 0)
 #pragma unroll
-      for (int u = 0; u < NT; ++u) a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(gu[0][u]), gu[1][u]);
+      for (int u = 0; u < NT; ++u) {
+        float g = gu[0][u], up = gu[1][u];
+        if (a.scale != nullptr) {  // the deferred norm: gate_up_block's scale (DN = 1)
+          const float inv = __ldg(a.scale + s_pairs[i + u] / slots);
+          g = __fmul_rn(g, inv);
+          up = __fmul_rn(up, inv);
+        }
+        a.act[slot[u] * a.ffn + r] = __fmul_rn(silu_f32(g), up);
+      }
   };
   uint32_t i = 0;
   for (; i + kGroupTokens <= count; i += kGroupTokens) group(i, std::integral_constant<int, kGroupTokens>{});
@@ -127,16 +127,16 @@ int check_gate_up_blocks(const char* fn, int64_t blocks, int64_t n_tokens) {
 // The checks and the layout shared by both gate-up entry points; `v` is narrowed for every weight set it sees.
 int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up, const int32_t* ids, float* act,
                  int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
-                 int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* h_sums, float eps) {
+                 int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* scale) {
   TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
-  TM_TRY(check_f32_alignment(fn, "h_sums", h_sums));
+  TM_TRY(check_f32_alignment(fn, "scale", scale));
   TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
   TM_TRY(check_f32_alignment(fn, "act", act));
   const Fmt f = fmt_for(qtype, hidden);
   *v = *v && fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
   *out = GateUpArgs{static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), ids, act, top_k,
-                    slot_begin, slot_count, n_experts, ffn, tm_qtype_row_bytes(qtype, hidden), nullptr, 0, h_sums,
-                    hidden, eps};
+                    slot_begin, slot_count, n_experts, ffn, tm_qtype_row_bytes(qtype, hidden), nullptr, 0, scale,
+                    nullptr, hidden, 0.0f};
   return TM_OK;
 }
 
@@ -147,10 +147,8 @@ int experts_gate_up_args(const char* fn, int qtype, const void* w_gate_sh, const
                          GateUpArgs* sh, GateUpArgs* rt, bool* v) {
   TM_TRY(check_f32_alignment(fn, "h", h));
   *v = true;
-  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v, nullptr,
-                      0.0f));
-  return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v, nullptr,
-                      0.0f);
+  TM_TRY(gate_up_args(fn, qtype, w_gate_sh, w_up_sh, nullptr, act_sh, 1, 0, 1, 1, ffn_sh, hidden, h, sh, v, nullptr));
+  return gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, 0, top_k, n_experts, ffn, hidden, h, rt, v, nullptr);
 }
 
 // tm_experts_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
@@ -187,13 +185,13 @@ int experts_gate_up(const char* fn, int qtype, const void* w_gate_sh, const void
 // tm_moe_gate_up, with hq (nullable): h's int8 groups, which the grouped GEMMs of tiled rows then read.
 int moe_gate_up(const char* fn, int qtype, const void* w_gate, const void* w_up, const float* h, const uint8_t* hq,
                 const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
+                int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale,
                 cudaStream_t s) {
   TM_TRY(check_f32_alignment(fn, "h", h));
   GateUpArgs a;
   bool v = true;
   TM_TRY(gate_up_args(fn, qtype, w_gate, w_up, ids, act, top_k, slot_begin, slot_count, n_experts, ffn, hidden, h,
-                      &a, &v, h_sums, eps));
+                      &a, &v, scale));
   Limits lim;
   TM_TRY(get_limits(&lim));
   const Fmt f = fmt_for(qtype, hidden);
@@ -225,10 +223,9 @@ using namespace tm_cuda;
 
 extern "C" int tm_cuda_moe_gate_up(int qtype, const void* w_gate, const void* w_up, const float* h, const int32_t* ids,
                                    float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                                   int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums, float eps,
-                                   void* stream) {
+                                   int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale, void* stream) {
   return moe_gate_up("tm_moe_gate_up", qtype, w_gate, w_up, h, nullptr, ids, act, n_tokens, top_k, slot_begin,
-                     slot_count, n_experts, ffn, hidden, h_sums, eps, as_stream(stream));
+                     slot_count, n_experts, ffn, hidden, scale, as_stream(stream));
 }
 
 extern "C" int tm_cuda_experts_gate_up(int qtype, const void* w_gate_sh, const void* w_up_sh, float* act_sh,

@@ -42,6 +42,20 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   }
 }
 
+// inv[t] = the deferred norm's inv of token t's group sums xss (tm_rmsnorm_factors'), one warp a token: the shared
+// expert's gate-up scale where tm_router_experts_gate_up with xw makes separate launches (computed once a token,
+// not in every warp that multiplies a row: the prompt's grouped GEMMs take 128 tokens a row).
+__global__ void __launch_bounds__(kRowsPerBlock * 32)
+    sums_inv_kernel(const float* __restrict__ xss, float* inv, int64_t n_tokens, int64_t hidden, float eps) {
+  pdl_begin();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
+       t += stride) {
+    const float r = warp_grouped_inv_any(xss + t * norm_groups(hidden), hidden, eps);
+    if ((threadIdx.x & 31) == 0) inv[t] = r;
+  }
+}
+
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
 // Grid: n_tokens * router_blocks(n_experts) ticketed blocks, then the shared expert's gate-up blocks (by blockIdx),
 // then as many ticketed blocks as the routed gate-up has. A ticketed block's role is its ticket (an atomic counter
@@ -369,13 +383,12 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
       grouped_experts_gate_up_fits(lim, n_tokens, top_k, n_experts, ffn_sh, ffn)) {
     TM_TRY(tm_cuda_rmsnorm_router_topk(x, norm_w, eps, h, w_router, ids, weights, n_tokens, n_experts, hidden, top_k,
                                        normalize, stream));
-    if (gate_inp_sh != nullptr) {
-      const int64_t blocks = ceil_div(n_tokens, kRowsPerBlock);
-      TM_TRY(launch(lim, fn, shared_gate_kernel,
-                    dim3(static_cast<unsigned>(blocks < lim.max_grid_x ? blocks : lim.max_grid_x)),
-                    dim3(kRowsPerBlock * 32), 0, as_stream(stream), gate_inp_sh, h, gate_sh, n_tokens, hidden,
+    const int64_t warp_blocks = ceil_div(n_tokens, kRowsPerBlock);  // a warp a token
+    const dim3 warp_grid(static_cast<unsigned>(warp_blocks < lim.max_grid_x ? warp_blocks : lim.max_grid_x));
+    if (gate_inp_sh != nullptr)
+      TM_TRY(launch(lim, fn, shared_gate_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream),
+                    gate_inp_sh, h, gate_sh, n_tokens, hidden,
                     f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
-    }
     // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
     // would otherwise round each token's h in every warp and lane step.
     const uint8_t* hq = nullptr;
@@ -383,11 +396,14 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
       TM_TRY(launch_act_groups(lim, fn, h, h_groups, n_tokens, hidden, as_stream(stream)));
       hq = h_groups;
     }
-    if (xw != nullptr) {  // the shared expert's deferred form, then the slots on h
+    if (xw != nullptr) {  // the shared expert's deferred form (its inv into the scratch), then the slots on h
+      float* inv = reinterpret_cast<float*>(h_groups + n_tokens * q8act_bytes(hidden));
+      TM_TRY(launch(lim, fn, sums_inv_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream), xss, inv,
+                    n_tokens, hidden, eps));
       TM_TRY(moe_gate_up(fn, qtype, w_gate_sh, w_up_sh, xw, xw_groups, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh,
-                         hidden, xss, eps, as_stream(stream)));
+                         hidden, inv, as_stream(stream)));
       TM_TRY(moe_gate_up(fn, qtype, w_gate, w_up, h, hq, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
-                         nullptr, 0.0f, as_stream(stream)));
+                         nullptr, as_stream(stream)));
     } else {
       TM_TRY(experts_gate_up(fn, qtype, w_gate_sh, w_up_sh, act_sh, ffn_sh, w_gate, w_up, h, hq, ids, act, n_tokens,
                              top_k, n_experts, ffn, hidden, as_stream(stream)));

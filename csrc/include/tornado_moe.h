@@ -244,10 +244,9 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
 /* Routed experts, gate-up + SwiGLU, for the slots [slot_begin, slot_begin + slot_count) of every token:
  * e = ids[t, s]; act[t, s, :] = silu(W_gate[e] h[t]) * (W_up[e] h[t]), silu(g) = g / (1 + exp(-g)).
  * w_gate, w_up [n_experts, ffn, hidden] of qtype; h [T, hidden]; ids [T, top_k]; act [T, top_k, ffn].
- * h_sums (nullable; float32 [T, tm_norm_groups(hidden)]): the deferred norm (tm_rmsnorm_factors), h being its xw
- * and h_sums its xss: g and u are each multiplied by the inv tm_rmsnorm_factors computes from the sums with eps (a
- * rounded product each) before the SwiGLU, so that act is the gate-up of the normalised row with xw's rounding
- * (the shared expert's form: tm_router_experts_gate_up's xw).
+ * scale (nullable; float32 [T]): g and u of token t each multiplied by scale[t] (a rounded product) before the
+ * SwiGLU: with h = tm_rmsnorm_factors' xw and scale its inv, the gate-up of the normalised row in the deferred form
+ * (the shared expert's: tm_router_experts_gate_up's xw).
  * The fused task calls it once with (0, top_k); the per-slot tasks once per slot with (s, 1): the result for a
  * given (t, s) is bitwise the same either way. ids == NULL means expert 0 for every slot (a dense FFN or a
  * shared expert is this function with n_experts = 1, top_k = 1). On CUDA a call of several tokens and at most
@@ -255,8 +254,8 @@ TM_API int tm_rmsnorm_router_topk(tm_device device, const float* x, const float*
  * tokens): the same bits as a block per pair, which one token and larger calls take. */
 TM_API int tm_moe_gate_up(tm_device device, int qtype, const void* w_gate, const void* w_up, const float* h,
                           const int32_t* ids, float* act, int64_t n_tokens, int64_t top_k, int64_t slot_begin,
-                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* h_sums,
-                          float eps, void* stream);
+                          int64_t slot_count, int64_t n_experts, int64_t ffn, int64_t hidden, const float* scale,
+                          void* stream);
 
 /* The shared expert's gate-up and every routed slot's, in one launch: bitwise
  *   tm_moe_gate_up(w_gate_sh, w_up_sh, h, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden) followed by
@@ -287,9 +286,11 @@ static inline int64_t tm_router_gate_up_groups_word(int64_t n_tokens, int64_t n_
 /* int32 words of the scratch tm_router_experts_gate_up needs: 64 + 4 * (n_tokens rounded up to 32)
  * synchronisation words (a ticket word, then two groups of 64-bit flags, each on 128-byte lines of its own),
  * then n_tokens * n_experts router logits of 64 bits (each tagged with the call), then from
- * tm_router_gate_up_groups_word per token h's int8 groups (256 words per 512 values of hidden). */
+ * tm_router_gate_up_groups_word per token h's int8 groups (256 words per 512 values of hidden), then n_tokens
+ * floats (the deferred norm's inv where the separate launches need it). */
 static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t n_experts, int64_t hidden) {
-  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * (tm_act_groups_bytes(hidden) / 4);
+  return tm_router_gate_up_groups_word(n_tokens, n_experts) + n_tokens * (tm_act_groups_bytes(hidden) / 4) +
+         n_tokens;
 }
 
 /* The fused router and every expert's gate-up, in one launch: bitwise
@@ -316,8 +317,8 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * xw and xss (both or neither; float32 [T, hidden] and [T, tm_norm_groups(hidden)]): the FFN norm deferred for the
  * shared expert: x * norm_w and x's grouped sums of squares as tm_rmsnorm_factors writes them (tm_matmul's y_w and
  * y_ss: attn_output writes them). The shared expert's gate-up is then
- *   tm_moe_gate_up(w_gate_sh, w_up_sh, xw, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden, xss, eps)
- * instead of the product with h, so that its blocks stream their rows at once instead of normalising x first
+ *   tm_moe_gate_up(w_gate_sh, w_up_sh, xw, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden, inv)
+ * (inv: tm_rmsnorm_factors' from the same x, which it computes from xss with eps) instead of the product with h, so that its blocks stream their rows at once instead of normalising x first
  * (results/NOTES.md lesson 186); the router's logits, gate_sh and the routed slots still take h. xw_groups
  * (nullable, only with xw; [T, tm_act_groups_bytes(hidden)] bytes): xw's int8 groups, which the one launch's shared
  * blocks of TM_Q8_0_TILED rows multiply (without them CUDA makes the separate calls). */

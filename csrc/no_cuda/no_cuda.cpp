@@ -49,7 +49,7 @@ int tm_cuda_rmsnorm_router_topk(const float*, const float*, float, float*, const
   return no_cuda("tm_rmsnorm_router_topk");
 }
 int tm_cuda_moe_gate_up(int, const void*, const void*, const float*, const int32_t*, float*, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float, void*) {
+                        int64_t, int64_t, int64_t, int64_t, int64_t, const float*, void*) {
   return no_cuda("tm_moe_gate_up");
 }
 int tm_cuda_experts_gate_up(int, const void*, const void*, float*, int64_t, const void*, const void*, const float*,

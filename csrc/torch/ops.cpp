@@ -279,8 +279,7 @@ void rmsnorm_router_topk(const Tensor& x, const Tensor& norm_w, double eps, cons
 
 void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const Tensor& h, const OptTensor& ids,
                  const Tensor& act, int64_t n_tokens, int64_t top_k, int64_t slot_begin, int64_t slot_count,
-                 int64_t n_experts, int64_t ffn, int64_t hidden, const OptTensor& h_sums, double eps,
-                 int64_t stream) {
+                 int64_t n_experts, int64_t ffn, int64_t hidden, const OptTensor& scale, int64_t stream) {
   Args a("tornado_moe.moe_gate_up");
   const int64_t expert_bytes = ffn * row_bytes(qtype, hidden);
   const void* g_p = a.weights(w_gate, "w_gate", qtype, n_experts * expert_bytes);
@@ -288,10 +287,10 @@ void moe_gate_up(int64_t qtype, const Tensor& w_gate, const Tensor& w_up, const 
   const float* h_p = a.data<const float>(h, "h", kF32, n_tokens * hidden);
   const int32_t* ids_p = a.optional<const int32_t>(ids, "ids", kI32, n_tokens * top_k);
   float* act_p = a.data<float>(act, "act", kF32, n_tokens * top_k * ffn);
-  const float* hs_p = a.optional<const float>(h_sums, "h_sums", kF32, n_tokens * tm_norm_groups(hidden));
+  const float* s_p = a.optional<const float>(scale, "scale", kF32, n_tokens);
   c10::DeviceGuard guard(a.torch_device());
   a.check(tm_moe_gate_up(a.device(), static_cast<int>(qtype), g_p, u_p, h_p, ids_p, act_p, n_tokens, top_k, slot_begin,
-                         slot_count, n_experts, ffn, hidden, hs_p, static_cast<float>(eps), as_stream(stream)));
+                         slot_count, n_experts, ffn, hidden, s_p, as_stream(stream)));
 }
 
 // The weights and activations of both gate-up halves (experts_gate_up and router_experts_gate_up).
@@ -568,7 +567,7 @@ TORCH_LIBRARY(tornado_moe, m) {
   m.def("rmsnorm_router_topk(Tensor x, Tensor norm_w, float eps, Tensor(a!) h, Tensor w_router, Tensor(b!) ids, "
         "Tensor(c!) weights, int n_tokens, int n_experts, int hidden, int top_k, bool normalize, int stream) -> ()");
   m.def("moe_gate_up(int qtype, Tensor w_gate, Tensor w_up, Tensor h, Tensor? ids, Tensor(a!) act, int n_tokens, "
-        "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, Tensor? h_sums, float eps, "
+        "int top_k, int slot_begin, int slot_count, int n_experts, int ffn, int hidden, Tensor? scale, "
         "int stream) -> ()");
   m.def("experts_gate_up(int qtype, Tensor w_gate_sh, Tensor w_up_sh, Tensor(a!) act_sh, int ffn_sh, Tensor w_gate, "
         "Tensor w_up, Tensor h, Tensor ids, Tensor(b!) act, int n_tokens, int top_k, int n_experts, int ffn, "

@@ -8,8 +8,9 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   deferred (rmsnorm_factors: dot(W, x * w) * inv): the previous layer's ``experts_down_accumulate`` writes
   xw = x * attn_norm and x's partial sums of squares beside x, so the kernel streams its weights at once and
   each warp evaluates inv alone after them;
-- ``attention``, ``attn_output`` (+ residual; with a shared expert it also writes the FFN norm's factors
-  xw = x * ffn_norm, x's partial sums of squares and xw's int8 groups, for the shared expert's gate-up);
+- ``attention``, ``attn_output`` (+ residual; before the fused router + gate-up launch it also writes the FFN
+  norm's factors xw = x * ffn_norm, x's partial sums of squares and xw's int8 groups, for the shared expert's
+  gate-up);
 - ``router_topk``: RMSNorm (writing h) + router + softmax + top-k in one kernel, unless the fused expert
   launch below takes it in (``ffn_norm`` stays a task of its own only for dense models);
 - the shared expert (or dense FFN) and the routed experts, whose routed part comes in two shapes that must
@@ -27,9 +28,10 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
   - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
     ``shared_expert_down`` and ``routed_expert_down_<s>`` for every slot s.
 The shared expert's gate-up takes the FFN norm deferred, on every route and device: it multiplies xw and
-scales its gate and up values by inv (moe_gate_up's h_sums; the router's logits and the routed slots keep
-h = rmsnorm(x)), so that its blocks in the fused launch stream their rows at once instead of normalising x
-first (results/NOTES.md lesson 186).
+scales its gate and up values by inv (the router's logits and the routed slots keep h = rmsnorm(x)), so that
+its blocks in the fused launch stream their rows at once instead of normalising x first (results/NOTES.md
+lesson 186); where no fused launch reads attn_output's factors, ``ffn_norm_factors`` (rmsnorm_factors)
+writes xw and inv for moe_gate_up's scale.
 Residual order of the FFN half of a layer, identical in both: x = (((x + shared) + w_0 y_0) + w_1 y_1) ...
 (the shared expert, or the dense FFN, first; then the routed slots in slot order). Gate-up tasks come before
 the down tasks so that every kernel whose weights are known before its inputs (the shared expert's) can
@@ -107,6 +109,15 @@ def _shared_norm_deferred(dm: DeviceModel) -> bool:
     """Whether the shared expert's gate-up takes the FFN norm deferred (module docstring): with a shared
     expert, on every route and device, so that the routes' bits agree."""
     return bool(dm.config.n_experts and dm.config.shared_ffn)
+
+
+def _router_fused(dm: DeviceModel, i: int, fuse_experts: bool) -> bool:
+    """Whether layer i's router, shared gate-up and routed gate-ups are one task (router_experts_gate_up or
+    router_experts_ffn): fused, with a shared expert whose gate-up rows share the routed ones' format."""
+    cfg, L = dm.config, dm.layers[i]
+    return bool(fuse_experts and cfg.n_experts and cfg.shared_ffn
+                and _same_format(_w(L, "ffn_gate_shexp"), _w(L, "ffn_up_shexp"))
+                == _same_format(_w(L, "ffn_gate_exps"), _w(L, "ffn_up_exps")))
 
 
 def _ffn_in_one_launch(dm: DeviceModel, i: int, n_tokens: int, fuse_experts: bool) -> bool:
@@ -194,11 +205,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     attn_groups = act.attn_groups if _takes_groups(wo) and hd % 4 == 0 else None
     g.task("attention", "attention", act.q, act.k_cache[i], act.v_cache[i], act.attn, act.position, T,
            cfg.n_heads, cfg.n_kv_heads, hd, act.max_context, act.attn_scratch, attn_groups)
-    # the FFN norm's factors for the shared expert's deferred gate-up (its groups where its rows read them)
+    # the FFN norm's factors for the fused router + gate-up launch's deferred shared gate-up (their groups
+    # where its rows read them)
     deferred = _shared_norm_deferred(dm)
+    factors_read = deferred and _router_fused(dm, i, fuse_experts)
     ffn_factors = ((_f32(L, "ffn_norm"), act.ffn_xw, act.ffn_xss,
                     act.ffn_xw_groups if _takes_groups(_w(L, "ffn_gate_shexp")) else None)
-                   if deferred else (None, None, None, None))
+                   if factors_read else (None, None, None, None))
     g.task("attn_output", "matmul", wo.qtype, wo.data, act.attn, None, act.x, T, H, cfg.n_heads * hd, True,
            None, attn_groups, None, 0.0, *ffn_factors)
     _, ffn_xw, ffn_xss, ffn_xw_groups = ffn_factors
@@ -224,10 +237,13 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         sg, su, sd = _w(L, f"ffn_gate{sfx}"), _w(L, f"ffn_up{sfx}"), _w(L, f"ffn_down{sfx}")
         s_qt, s_gate = _same_format(sg, su), _f32(L, "ffn_gate_inp_shexp")
         label = "shared_expert" if cfg.shared_ffn else "ffn"
-        # the shared expert on xw scaled by inv (deferred), the dense FFN on h
-        s_in, s_sums = (ffn_xw, ffn_xss) if deferred else (act.h, None)
+        # the shared expert on xw scaled by inv (deferred: their task first), the dense FFN on h
+        s_in, s_scale = (act.ffn_xw, act.norm_inv) if deferred else (act.h, None)
+        if deferred:
+            gate_ups.append(("ffn_norm_factors", "rmsnorm_factors", act.x, _f32(L, "ffn_norm"), act.ffn_xw,
+                             None, act.norm_inv, T, H, cfg.rms_eps))
         gate_ups.append((f"{label}_gate_up", "moe_gate_up", s_qt, sg.data, su.data, s_in, None,
-                         act.act_dense, T, 1, 0, 1, 1, dffn, H, s_sums, cfg.rms_eps))
+                         act.act_dense, T, 1, 0, 1, 1, dffn, H, s_scale))
         downs.append((f"{label}_down", "moe_down_accumulate", sd.qtype, sd.data, act.act_dense, None, None,
                       s_gate, act.h, act.x, T, 1, 0, 1, 1, H, dffn))
 
@@ -238,12 +254,12 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
         shapes = ([("routed_experts_gate_up_swiglu", "routed_experts_down_accumulate", 0, k)] if fuse_experts
                   else [(f"routed_expert_gate_up_{s}", f"routed_expert_down_{s}", s, 1) for s in range(k)])
         gate_ups += [(name, "moe_gate_up", qt, wg.data, wu.data, act.h, ids, act.act, T, k, s0, n, E, ffn, H,
-                      None, 0.0) for name, _, s0, n in shapes]
+                      None) for name, _, s0, n in shapes]
         downs += [(name, "moe_down_accumulate", wd.qtype, wd.data, act.act, ids, wts, None, None, act.x, T, k,
                    s0, n, E, H, ffn) for _, name, s0, n in shapes]
         # Fused, with a shared expert of the same formats: the router and both gate-ups in one launch, whose
         # router blocks also compute the shared expert's gate (gate_sh) for the fused down to read.
-        fuse_router = fuse_experts and cfg.shared_ffn and s_qt == qt
+        fuse_router = _router_fused(dm, i, fuse_experts)
         gate_sh = act.shared_gate[:T] if fuse_router and s_gate is not None else None
         fused_down = _fused_down(dm, i, T, fuse_experts)
         # the activations' int8 groups, from the fused gate-up to the fused down, where the down reads them

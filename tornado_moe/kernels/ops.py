@@ -77,7 +77,7 @@ KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "rmsnorm_router_topk": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "n_tokens", "n_experts",
                             "hidden", "top_k", "normalize"),
     "moe_gate_up": ("qtype", "w_gate", "w_up", "h", "ids", "act", "n_tokens", "top_k", "slot_begin",
-                    "slot_count", "n_experts", "ffn", "hidden", "h_sums", "eps"),
+                    "slot_count", "n_experts", "ffn", "hidden", "scale"),
     "experts_gate_up": ("qtype", "w_gate_sh", "w_up_sh", "act_sh", "ffn_sh", "w_gate", "w_up", "h", "ids",
                         "act", "n_tokens", "top_k", "n_experts", "ffn", "hidden"),
     "router_experts_gate_up": ("x", "norm_w", "eps", "h", "w_router", "ids", "weights", "qtype",
@@ -330,11 +330,10 @@ def moe_gate_up(
     n_experts: int,
     ffn: int,
     hidden: int,
-    h_sums: torch.Tensor | None = None,
-    eps: float = 0.0,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """``h_sums`` (float32 [n_tokens, norm_groups(hidden)]): the deferred norm, h being rmsnorm_factors' xw
-    and these its xss; gate and up are scaled by the inv computed from them with ``eps`` (tornado_moe.h)."""
+    """``scale`` (float32 [n_tokens]): gate and up of token t times scale[t] before the SwiGLU; with h =
+    rmsnorm_factors' xw and scale its inv, the deferred norm's gate-up (tornado_moe.h)."""
     _ops().moe_gate_up(
         qtype,
         w_gate,
@@ -349,8 +348,7 @@ def moe_gate_up(
         n_experts,
         ffn,
         hidden,
-        h_sums,
-        eps,
+        scale,
         stream_of(act),
     )
 

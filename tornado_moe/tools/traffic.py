@@ -153,8 +153,7 @@ def task_bytes(task: Task, context: float = 1.0) -> TaskBytes:
     if k == "moe_gate_up":
         g = _gate_up_bytes(T, a["w_gate"], a["w_up"], a["ids"], a["slot_count"], a["n_experts"], a["ffn"],
                            a["hidden"])
-        sums = F32 * T * norm_groups(a["hidden"]) if a["h_sums"] is not None else 0
-        return TaskBytes(g.weights, g.activations + sums)
+        return TaskBytes(g.weights, g.activations + (F32 * T if a["scale"] is not None else 0))
     if k == "moe_down_accumulate":
         return _down_bytes(T, a["w_down"], a["ids"], a["weights"], a["gate_inp"], a["slot_count"],
                            a["n_experts"], a["ffn"], a["hidden"])

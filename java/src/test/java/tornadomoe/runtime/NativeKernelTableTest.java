@@ -42,8 +42,7 @@ public class NativeKernelTableTest {
                                                 // out_groups?
         m.put("router_topk", "ppppiiiib");      // w_router h ids weights, T E hidden top_k, normalize
         m.put("rmsnorm_router_topk", "ppfppppiiiib"); // x norm_w eps h w_router ids weights, T E hidden top_k, norm
-        m.put("moe_gate_up", "qpppnpiiiiiiinf"); // qtype gate up h ids? act, T top_k s0 n E ffn hidden, h_sums?
-                                                 // eps
+        m.put("moe_gate_up", "qpppnpiiiiiiin"); // qtype gate up h ids? act, T top_k s0 n E ffn hidden, scale?
         m.put("experts_gate_up", "qpppipppppiiiii"); // qtype, shared gate up act ffn, gate up h ids act, 5 ints
         m.put("router_experts_gate_up", "ppfppppqpppinnpppiiiibipnnnnn"); // x norm_w eps h w_router ids
                                                                        // weights, qtype, shared gate up act ffn
