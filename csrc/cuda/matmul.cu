@@ -224,6 +224,7 @@ extern "C" int tm_cuda_matmul(int qtype, const void* w, const float* x, const fl
                                        scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups);
     }
     return launch_matmul<F, 1, kTokenTile, V>(lim, s, wb, x, bias, y, n_tokens, rows, cols, row_bytes, nblocks,
-                                              accumulate, scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss, y_w_groups);
+                                              accumulate, scale, x_groups, x_sums, eps, next_norm_w, y_w, y_ss,
+                                              y_w_groups);
   });
 }

@@ -129,9 +129,9 @@ int gate_up_args(const char* fn, int qtype, const void* w_gate, const void* w_up
                  int64_t top_k, int64_t slot_begin, int64_t slot_count, int64_t n_experts, int64_t ffn,
                  int64_t hidden, const float* h, GateUpArgs* out, bool* v, const float* scale) {
   TM_TRY(check_weight_alignment(fn, "w_gate", qtype, w_gate));
-  TM_TRY(check_f32_alignment(fn, "scale", scale));
   TM_TRY(check_weight_alignment(fn, "w_up", qtype, w_up));
   TM_TRY(check_f32_alignment(fn, "act", act));
+  TM_TRY(check_f32_alignment(fn, "scale", scale));
   const Fmt f = fmt_for(qtype, hidden);
   *v = *v && fmt_vector_ok(f, w_gate, aligned(h, 16)) && fmt_vector_ok(f, w_up, true);
   *out = GateUpArgs{static_cast<const uint8_t*>(w_gate), static_cast<const uint8_t*>(w_up), ids, act, top_k,

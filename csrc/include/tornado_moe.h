@@ -318,10 +318,11 @@ static inline int64_t tm_router_gate_up_scratch_words(int64_t n_tokens, int64_t 
  * shared expert: x * norm_w and x's grouped sums of squares as tm_rmsnorm_factors writes them (tm_matmul's y_w and
  * y_ss: attn_output writes them). The shared expert's gate-up is then
  *   tm_moe_gate_up(w_gate_sh, w_up_sh, xw, NULL, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh, hidden, inv)
- * (inv: tm_rmsnorm_factors' from the same x, which it computes from xss with eps) instead of the product with h, so that its blocks stream their rows at once instead of normalising x first
- * (results/NOTES.md lesson 186); the router's logits, gate_sh and the routed slots still take h. xw_groups
- * (nullable, only with xw; [T, tm_act_groups_bytes(hidden)] bytes): xw's int8 groups, which the one launch's shared
- * blocks of TM_Q8_0_TILED rows multiply (without them CUDA makes the separate calls). */
+ * (inv: tm_rmsnorm_factors' from the same x, which it computes from xss with eps) instead of the product with h,
+ * so that its blocks stream their rows at once instead of normalising x first (results/NOTES.md lesson 186); the
+ * router's logits, gate_sh and the routed slots still take h. xw_groups (nullable, only with xw;
+ * [T, tm_act_groups_bytes(hidden)] bytes): xw's int8 groups, which the one launch's shared blocks of TM_Q8_0_TILED
+ * rows multiply (without them CUDA makes the separate calls). */
 TM_API int tm_router_experts_gate_up(tm_device device, const float* x, const float* norm_w, float eps, float* h,
                                      const float* w_router, int32_t* ids, float* weights, int qtype,
                                      const void* w_gate_sh, const void* w_up_sh, float* act_sh, int64_t ffn_sh,
