@@ -19,13 +19,13 @@ A layer is as few launches as the contract allows (qwen2moe, fused: 5):
     launch: the shared rows stream while the router runs) and ``experts_down_accumulate`` (the shared
     expert's down, then the slots in order, in one launch): 5 launches per layer (on a GPU a step of several
     tokens runs the first as the router's launch, then grouped expert GEMMs: tornado_moe.h); a decode step
-    (one token) that the library runs as one call (``router_experts_ffn_launches``: the CPU, and tiled Q8_0
-    on an sm_90 GPU where the persistent launch is chosen, ``set_ffn_one_launch``) has
+    (one token) that the library runs as one call (``router_experts_ffn_launches``: the CPU; the GPU's
+    persistent launch, ``set_ffn_one_launch``, takes h alone and so not the deferred form below) has
     ``router_experts_ffn`` instead: 4;
     when the shared expert's formats differ from the routed ones', or there is none, ``router_topk``,
-    ``shared_expert_gate_up``, ``routed_experts_gate_up_swiglu``, ``shared_expert_down`` and
-    ``routed_experts_down_accumulate``;
-  - per-slot: ``router_topk``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
+    (``ffn_norm_factors``,) ``shared_expert_gate_up``, ``routed_experts_gate_up_swiglu``,
+    ``shared_expert_down`` and ``routed_experts_down_accumulate``;
+  - per-slot: ``router_topk``, ``ffn_norm_factors``, ``shared_expert_gate_up``, ``routed_expert_gate_up_<s>``,
     ``shared_expert_down`` and ``routed_expert_down_<s>`` for every slot s.
 The shared expert's gate-up takes the FFN norm deferred, on every route and device: it multiplies xw and
 scales its gate and up values by inv (the router's logits and the routed slots keep h = rmsnorm(x)), so that
