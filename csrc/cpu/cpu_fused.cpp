@@ -95,10 +95,8 @@ extern "C" int tm_cpu_router_experts_gate_up(const float* x, const float* norm_w
   if (gate_inp_sh != nullptr)
     for (int64_t t = 0; t < n_tokens; ++t) gate_sh[t] = tm_cpu::shared_gate(gate_inp_sh, h + t * hidden, hidden);
   // the shared expert's gate-up on h, or in the deferred form on xw scaled by the inv of xss
-  std::vector<float> inv;
-  if (xw != nullptr)
-    for (int64_t t = 0; t < n_tokens; ++t)
-      inv.push_back(tm_cpu::grouped_rms_inv(xss + t * tm_norm_groups(hidden), hidden, eps));
+  const std::vector<float> inv = xw != nullptr ? tm_cpu::grouped_rms_invs(xss, n_tokens, hidden, eps)
+                                               : std::vector<float>();
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate_sh, w_up_sh, xw != nullptr ? xw : h, nullptr, act_sh, n_tokens, 1, 0, 1, 1,
                             ffn_sh, hidden, xw != nullptr ? inv.data() : nullptr, stream));
   TM_TRY(tm_cpu_moe_gate_up(qtype, w_gate, w_up, h, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,

@@ -90,8 +90,7 @@ extern "C" int tm_cpu_matmul(int qtype, const void* w, const float* x, const flo
                              const float* next_norm_w, float* y_w, float* y_ss, uint8_t* y_w_groups, void* stream) {
   std::vector<float> sums_inv;
   if (x_sums != nullptr) {  // the inv tm_rmsnorm_factors computes from these sums
-    for (int64_t t = 0; t < n_tokens; ++t)
-      sums_inv.push_back(grouped_rms_inv(x_sums + t * tm_norm_groups(cols), cols, eps));
+    sums_inv = grouped_rms_invs(x_sums, n_tokens, cols, eps);
     scale = sums_inv.data();
   }
   const uint8_t* base = static_cast<const uint8_t*>(w);

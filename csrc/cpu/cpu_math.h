@@ -13,6 +13,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
+
+#include "tornado_moe.h"
 
 namespace tm_cpu {
 
@@ -56,9 +59,12 @@ float grouped_sum(GroupSum group_sum, int64_t dim) {
 // inv = 1 / sqrt(ss / dim + eps), the norm's factor from its sum of squares.
 inline float rms_inv(float ss, int64_t dim, float eps) { return 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps); }
 
-// The inv tm_rmsnorm_factors computes for a row of dim values from its group sums (xss's row).
-inline float grouped_rms_inv(const float* sums, int64_t dim, float eps) {
-  return rms_inv(grouped_sum([&](int64_t g) { return sums[g]; }, dim), dim, eps);
+// The inv tm_rmsnorm_factors computes for each of n_tokens rows of dim values from their group sums (xss).
+inline std::vector<float> grouped_rms_invs(const float* sums, int64_t n_tokens, int64_t dim, float eps) {
+  std::vector<float> inv;
+  for (int64_t t = 0; t < n_tokens; ++t)
+    inv.push_back(rms_inv(grouped_sum([&](int64_t g) { return sums[t * tm_norm_groups(dim) + g]; }, dim), dim, eps));
+  return inv;
 }
 
 // The next normalisation's factors of rows x [n_tokens, dim] as tm_rmsnorm_factors writes them (xw = x * w and

@@ -28,32 +28,31 @@ namespace {
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
 
-// gate[t] = shared_gate(h[t]) by one warp a token: tm_router_experts_gate_up's gate output where it falls back to
-// separate launches.
+// out[t] = value(t) for every token, one warp a token (every lane calls value, lane 0 stores): the per-token
+// factors tm_router_experts_gate_up computes in launches of their own where it makes separate launches.
+template <class Value>
+__device__ __forceinline__ void per_token_warp(float* out, int64_t n_tokens, Value value) {
+  pdl_begin();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
+       t += stride) {
+    const float v = value(t);
+    if ((threadIdx.x & 31) == 0) out[t] = v;
+  }
+}
+// gate[t] = shared_gate(h[t]): the gate output.
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
     shared_gate_kernel(const float* __restrict__ gate_inp, const float* __restrict__ h, float* gate,
                        int64_t n_tokens, int64_t hidden, int gate_mode) {
-  pdl_begin();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
-       t += stride) {
-    const float g = shared_gate(gate_inp, h + t * hidden, hidden, gate_mode);
-    if ((threadIdx.x & 31) == 0) gate[t] = g;
-  }
+  per_token_warp(gate, n_tokens, [&](int64_t t) { return shared_gate(gate_inp, h + t * hidden, hidden, gate_mode); });
 }
-
-// inv[t] = the deferred norm's inv of token t's group sums xss (tm_rmsnorm_factors'), one warp a token: the shared
-// expert's gate-up scale where tm_router_experts_gate_up with xw makes separate launches (computed once a token,
-// not in every warp that multiplies a row: the prompt's grouped GEMMs take 128 tokens a row).
+// inv[t] = the deferred norm's inv of token t's group sums xss (tm_rmsnorm_factors'): the shared expert's gate-up
+// scale with xw, computed once a token, not in every warp that multiplies a row (the prompt's grouped GEMMs take
+// 128 tokens a row).
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
     sums_inv_kernel(const float* __restrict__ xss, float* inv, int64_t n_tokens, int64_t hidden, float eps) {
-  pdl_begin();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
-       t += stride) {
-    const float r = warp_grouped_inv_any(xss + t * norm_groups(hidden), hidden, eps);
-    if ((threadIdx.x & 31) == 0) inv[t] = r;
-  }
+  per_token_warp(inv, n_tokens,
+                 [&](int64_t t) { return warp_grouped_inv_any(xss + t * norm_groups(hidden), hidden, eps); });
 }
 
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----

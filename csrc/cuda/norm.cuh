@@ -198,8 +198,8 @@ __device__ __forceinline__ float warp_grouped_inv_any(const float* sums, int64_t
 
 // The next normalisation's factors of rows x [n_tokens, dim] in one launch, one thread a group of kNormGroup values:
 // xw = x * w, the group sums xss and (xw_q nullable) xw's int8 groups, as tm_rmsnorm_factors and the kernels that
-// write them in their epilogues do (norm_embed.cu; the down's and the matmul's fallback for shapes whose own launch
-// does not write them).
+// write them in their epilogues do (defined in moe_experts_down.cu; the down's and the matmul's launch for the
+// shapes whose own kernel does not write them).
 int launch_norm_factors(const Limits& lim, const char* fn, const float* x, const float* w, float* xw, float* xss,
                         uint8_t* xw_q, int64_t n_tokens, int64_t dim, cudaStream_t s);
 // The same inv with the sums loaded ahead of a warp's dot products and held in registers across them (16 a lane at

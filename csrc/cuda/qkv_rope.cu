@@ -36,13 +36,11 @@ __host__ __device__ inline int64_t qkv_smem_floats(int64_t hidden, bool computes
 #ifndef TM_QKV_MIN_BLOCKS
 #define TM_QKV_MIN_BLOCKS 3
 #endif
-// TM_QKV_SUMS_AHEAD=0: inv's sums loaded after the dot products (v22 and before). 2: each lane's chunk of them
-// added before the dot products, one float held across them instead of 16 (the shared gate-up's form, NOTES lesson
-// 184; the same inv).
+// TM_QKV_SUMS_AHEAD=0: inv's sums loaded after the dot products (v22 and before). (Each lane's chunk added before
+// the dots instead, the shared gate-up's form, measured 0.24% slower here: results/NOTES.md lesson 190.)
 #ifndef TM_QKV_SUMS_AHEAD
 #define TM_QKV_SUMS_AHEAD 1
 #endif
-static_assert(TM_QKV_SUMS_AHEAD >= 0 && TM_QKV_SUMS_AHEAD <= 2, "TM_QKV_SUMS_AHEAD: 0 to 2");
 template <Fmt F>
 constexpr int qkv_min_blocks() {
   return fmt_tiled(F) ? TM_QKV_MIN_BLOCKS : 0;
@@ -120,11 +118,9 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   if (!active) return;
   // xw's sums ahead of the dot products where they fit in registers (norm.cuh: the same inv, the round trip off
   // the warp's tail; results/NOTES.md lesson 181)
-  const bool ahead = TM_QKV_SUMS_AHEAD == 1 && a.xw != nullptr && sums_ahead_ok(sums, a.hidden);
+  const bool ahead = TM_QKV_SUMS_AHEAD && a.xw != nullptr && sums_ahead_ok(sums, a.hidden);
   SumsAhead held;
   if (ahead) held = load_sums_ahead(sums, a.hidden);
-  const bool lane_ahead = TM_QKV_SUMS_AHEAD == 2 && a.xw != nullptr;
-  const float lane_ss = lane_ahead ? lane_grouped_sum(sums, a.hidden) : 0.0f;
   float out[2][1] = {{0.0f}, {0.0f}};
   const uint8_t* rows[2] = {a.w[which] + ra * a.row_bytes, a.w[which] + rb * a.row_bytes};
   if constexpr (Q) {
@@ -138,7 +134,6 @@ __global__ void __launch_bounds__(kNormThreads, qkv_min_blocks<F>()) qkv_rope_ke
   // shared memory or through L1 (2 KB for a 2048-value row; written before pdl_wait returned, never during this
   // grid)
   const float inv = ahead ? warp_grouped_inv_ahead(held, a.hidden, a.eps)
-                    : lane_ahead ? rms_inv_from_sum(warp_sum(lane_ss), a.hidden, a.eps)
                     : a.xw == nullptr ? warp_grouped_inv([&](int64_t g) { return sums[g]; }, a.hidden, a.eps)
                     : grouped_inv_vector_ok(sums, a.hidden)
                         ? warp_grouped_inv_ldg(sums, a.hidden, a.eps)
