@@ -28,31 +28,30 @@ namespace {
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
 
-// out[t] = value(t) for every token, one warp a token (every lane calls value, lane 0 stores): the per-token
-// factors tm_router_experts_gate_up computes in launches of their own where it makes separate launches.
-template <class Value>
-__device__ __forceinline__ void per_token_warp(float* out, int64_t n_tokens, Value value) {
+// The per-token factors tm_router_experts_gate_up computes in a launch of its own where it makes separate launches,
+// one warp a token (every lane computes, lane 0 stores), each where its output is given: gate[t] =
+// shared_gate(h[t]) (the gate output), and inv[t] = the deferred norm's inv of token t's group sums xss
+// (tm_rmsnorm_factors'), the shared expert's gate-up scale with xw, once a token rather than in every warp that
+// multiplies a row (the prompt's grouped GEMMs take 128 tokens a row). One launch for both: a prompt step pays
+// each launch once a layer (results/NOTES.md lesson 191).
+__global__ void __launch_bounds__(kRowsPerBlock * 32)
+    shared_factors_kernel(const float* __restrict__ gate_inp, const float* __restrict__ h, float* gate,
+                          const float* __restrict__ xss, float* inv, int64_t n_tokens, int64_t hidden,
+                          int gate_mode, float eps) {
   pdl_begin();
+  const bool store = (threadIdx.x & 31) == 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5); t < n_tokens;
        t += stride) {
-    const float v = value(t);
-    if ((threadIdx.x & 31) == 0) out[t] = v;
+    if (gate != nullptr) {
+      const float g = shared_gate(gate_inp, h + t * hidden, hidden, gate_mode);
+      if (store) gate[t] = g;
+    }
+    if (inv != nullptr) {
+      const float v = warp_grouped_inv_any(xss + t * norm_groups(hidden), hidden, eps);
+      if (store) inv[t] = v;
+    }
   }
-}
-// gate[t] = shared_gate(h[t]): the gate output.
-__global__ void __launch_bounds__(kRowsPerBlock * 32)
-    shared_gate_kernel(const float* __restrict__ gate_inp, const float* __restrict__ h, float* gate,
-                       int64_t n_tokens, int64_t hidden, int gate_mode) {
-  per_token_warp(gate, n_tokens, [&](int64_t t) { return shared_gate(gate_inp, h + t * hidden, hidden, gate_mode); });
-}
-// inv[t] = the deferred norm's inv of token t's group sums xss (tm_rmsnorm_factors'): the shared expert's gate-up
-// scale with xw, computed once a token, not in every warp that multiplies a row (the prompt's grouped GEMMs take
-// 128 tokens a row).
-__global__ void __launch_bounds__(kRowsPerBlock * 32)
-    sums_inv_kernel(const float* __restrict__ xss, float* inv, int64_t n_tokens, int64_t hidden, float eps) {
-  per_token_warp(inv, n_tokens,
-                 [&](int64_t t) { return warp_grouped_inv_any(xss + t * norm_groups(hidden), hidden, eps); });
 }
 
 // ---- tm_router_experts_gate_up: the router and experts_gate_up_kernel's blocks in one grid ----
@@ -384,10 +383,12 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
                                        normalize, stream));
     const int64_t warp_blocks = ceil_div(n_tokens, kRowsPerBlock);  // a warp a token
     const dim3 warp_grid(static_cast<unsigned>(warp_blocks < lim.max_grid_x ? warp_blocks : lim.max_grid_x));
-    if (gate_inp_sh != nullptr)
-      TM_TRY(launch(lim, fn, shared_gate_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream),
-                    gate_inp_sh, h, gate_sh, n_tokens, hidden,
-                    f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16))));
+    // the deferred form's inv goes into the scratch, past h's groups
+    float* inv = xw != nullptr ? reinterpret_cast<float*>(h_groups + n_tokens * q8act_bytes(hidden)) : nullptr;
+    if (gate_inp_sh != nullptr || inv != nullptr)
+      TM_TRY(launch(lim, fn, shared_factors_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream),
+                    gate_inp_sh, h, gate_inp_sh != nullptr ? gate_sh : nullptr, xss, inv, n_tokens, hidden,
+                    f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16)), eps));
     // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
     // would otherwise round each token's h in every warp and lane step.
     const uint8_t* hq = nullptr;
@@ -395,10 +396,7 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
       TM_TRY(launch_act_groups(lim, fn, h, h_groups, n_tokens, hidden, as_stream(stream)));
       hq = h_groups;
     }
-    if (xw != nullptr) {  // the shared expert's deferred form (its inv into the scratch), then the slots on h
-      float* inv = reinterpret_cast<float*>(h_groups + n_tokens * q8act_bytes(hidden));
-      TM_TRY(launch(lim, fn, sums_inv_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream), xss, inv,
-                    n_tokens, hidden, eps));
+    if (xw != nullptr) {  // the shared expert's deferred form (scaled by inv), then the slots on h
       TM_TRY(moe_gate_up(fn, qtype, w_gate_sh, w_up_sh, xw, xw_groups, nullptr, act_sh, n_tokens, 1, 0, 1, 1, ffn_sh,
                          hidden, inv, as_stream(stream)));
       TM_TRY(moe_gate_up(fn, qtype, w_gate, w_up, h, hq, ids, act, n_tokens, top_k, 0, top_k, n_experts, ffn, hidden,
