@@ -21,7 +21,7 @@
 # TUNING_KB=name,... (only those builds' kernels timed; default all), TUNING_TESTS=1 (also run each build's GPU
 # tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,
 # one pytest -k expression such as `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list
-# of names: those only), TUNING_PROFILE=1 (and profile each benched one), TUNING_PREFILL=name,... (and time those
+# of names: those only), TUNING_PROFILE=1 (and profile each benched one; 0 or unset: not), TUNING_PREFILL=name,... (and time those
 # builds' prompt processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments,
 # default `-n 8`); TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be
 # built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
@@ -198,7 +198,7 @@ if want tuning; then  # the tuning builds' tiled kernels timed
         --model "$MODEL" --device cuda --prompt-tokens 16 -n 128 --repeats 3 --compare fused,graphs,torch \
         --json "$OUT/bench_tune_$name.json" > "$OUT/bench_tune_$name.log" 2>&1
       echo "$name: $(grep -E '^fused' "$OUT/bench_tune_$name.log")"
-      if [ -n "${TUNING_PROFILE:-}" ]; then  # the chain time per kernel kind, fused + graphs
+      if [ "${TUNING_PROFILE:-0}" != 0 ]; then  # the chain time per kernel kind, fused + graphs
         tune_run "$name" 40 $CLI profile \
           --model "$MODEL" --device cuda -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" \
           > "$OUT/profile_tune_$name.log" 2>&1
