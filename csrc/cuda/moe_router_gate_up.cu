@@ -28,12 +28,10 @@ namespace {
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
 
-// The per-token factors tm_router_experts_gate_up computes in a launch of its own where it makes separate launches,
-// one warp a token (every lane computes, lane 0 stores), each where its output is given: gate[t] =
-// shared_gate(h[t]) (the gate output), and inv[t] = the deferred norm's inv of token t's group sums xss
-// (tm_rmsnorm_factors'), the shared expert's gate-up scale with xw, once a token rather than in every warp that
-// multiplies a row (the prompt's grouped GEMMs take 128 tokens a row). One launch for both: a prompt step pays
-// each launch once a layer (results/NOTES.md lesson 191).
+// tm_router_experts_gate_up's per-token factors where it makes separate launches, one warp a token (lane 0
+// stores), each where its output is given: gate[t] = shared_gate(h[t]), and inv[t] = the deferred norm's inv of
+// xss[t] (tm_rmsnorm_factors'), the shared gate-up's scale, once a token rather than in every warp of the
+// prompt's grouped GEMMs. One launch for both: one launch a layer fewer in a prompt step (NOTES lesson 191).
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
     shared_factors_kernel(const float* __restrict__ gate_inp, const float* __restrict__ h, float* gate,
                           const float* __restrict__ xss, float* inv, int64_t n_tokens, int64_t hidden,
@@ -385,9 +383,9 @@ extern "C" int tm_cuda_router_experts_gate_up(const float* x, const float* norm_
     const dim3 warp_grid(static_cast<unsigned>(warp_blocks < lim.max_grid_x ? warp_blocks : lim.max_grid_x));
     // the deferred form's inv goes into the scratch, past h's groups
     float* inv = xw != nullptr ? reinterpret_cast<float*>(h_groups + n_tokens * q8act_bytes(hidden)) : nullptr;
-    if (gate_inp_sh != nullptr || inv != nullptr)
+    if (gate_sh != nullptr || inv != nullptr)  // gate_inp_sh and gate_sh go together (tm_router_experts_gate_up)
       TM_TRY(launch(lim, fn, shared_factors_kernel, warp_grid, dim3(kRowsPerBlock * 32), 0, as_stream(stream),
-                    gate_inp_sh, h, gate_inp_sh != nullptr ? gate_sh : nullptr, xss, inv, n_tokens, hidden,
+                    gate_inp_sh, h, gate_sh, xss, inv, n_tokens, hidden,
                     f32_row_mode(hidden, aligned(gate_inp_sh, 16) && aligned(h, 16)), eps));
     // A step of several tokens on tiled rows: h's int8 groups once (into the scratch) for the grouped GEMMs, which
     // would otherwise round each token's h in every warp and lane step.

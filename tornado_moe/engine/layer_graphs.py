@@ -208,7 +208,7 @@ def layer_graph(dm: DeviceModel, act: Activations, i: int, n_tokens: int, *, fus
     # the FFN norm's factors for the fused router + gate-up launch's deferred shared gate-up (their groups
     # where its rows read them)
     deferred = _shared_norm_deferred(dm)
-    factors_read = deferred and _router_fused(dm, i, fuse_experts)
+    factors_read = _router_fused(dm, i, fuse_experts)  # fused implies a shared expert, so deferred
     ffn_factors = ((_f32(L, "ffn_norm"), act.ffn_xw, act.ffn_xss,
                     act.ffn_xw_groups if _takes_groups(_w(L, "ffn_gate_shexp")) else None)
                    if factors_read else (None, None, None, None))
