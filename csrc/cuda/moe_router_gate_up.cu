@@ -12,7 +12,8 @@ namespace tm_cuda {
 namespace {
 
 // Timing probes of router_experts_gate_up (wrong results; results/NOTES.md v7): TM_RGU_IDS_PROBE=1 lets the
-// routed blocks start once h is out, without the router's ids (the bound of a router off the launch's path);
+// routed blocks start once h is out, without the router's ids (the bound of a router off the launch's path), and
+// TM_RGU_IDS_PROBE=2 without waiting for h either (the bound of a router whose norm is off the path too);
 // TM_RGU_NORM_PROBE=1 lets the shared blocks read x as h (the bound of h computed before the launch).
 #ifndef TM_RGU_IDS_PROBE
 #define TM_RGU_IDS_PROBE 0
@@ -298,8 +299,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-#if TM_RGU_IDS_PROBE  // timing only: h awaited, the ids not (slot s takes expert s: wrong results)
-  routed_wait(sy, t, raised, false);
+#if TM_RGU_IDS_PROBE  // timing only: h awaited (1) or not (2), the ids not (slot s takes expert s: wrong results)
+  if (TM_RGU_IDS_PROBE == 1) routed_wait(sy, t, raised, false);
   const int e = static_cast<int>(p.pair - t * slots);
 #else
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
