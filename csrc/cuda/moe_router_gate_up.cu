@@ -13,7 +13,8 @@ namespace {
 
 // Timing probes of router_experts_gate_up (wrong results; results/NOTES.md v7): TM_RGU_IDS_PROBE=1 lets the
 // routed blocks start once h is out, without the router's ids (the bound of a router off the launch's path), and
-// TM_RGU_IDS_PROBE=2 without waiting for h either (the bound of a router whose norm is off the path too);
+// TM_RGU_IDS_PROBE=2 without waiting for h either (the bound of a router whose norm is off the path too), 3 waiting
+// as the product does but taking expert s for slot s as 1 and 2 do (what their fixed experts alone change);
 // TM_RGU_NORM_PROBE=1 lets the shared blocks read x as h (the bound of h computed before the launch).
 #ifndef TM_RGU_IDS_PROBE
 #define TM_RGU_IDS_PROBE 0
@@ -299,8 +300,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
   const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, sh_blocks + (b - router_blocks));  // a routed tile
   const uint32_t slots = static_cast<uint32_t>(rt.slot_count), t = p.pair / slots;
   const bool ids_in_flag = rt.top_k <= kIdsInFlag;
-#if TM_RGU_IDS_PROBE  // timing only: h awaited (1) or not (2), the ids not (slot s takes expert s: wrong results)
-  if (TM_RGU_IDS_PROBE == 1) routed_wait(sy, t, raised, false);
+#if TM_RGU_IDS_PROBE  // timing only: h awaited (1, 3) or not (2), the ids (3) or not; expert s for slot s
+  if (TM_RGU_IDS_PROBE != 2) routed_wait(sy, t, raised, TM_RGU_IDS_PROBE == 3 && ids_in_flag);
   const int e = static_cast<int>(p.pair - t * slots);
 #else
   const uint32_t ids = routed_wait(sy, t, raised, ids_in_flag);
