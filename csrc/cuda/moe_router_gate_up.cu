@@ -254,6 +254,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     gate_up_block<F, V, float, 0>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
     if constexpr (D) {  // the deferred norm: xw's groups (tiled rows) or floats, scaled by the inv of xss
+      stamp(3);  // its inputs are ready at once
       if constexpr (fmt_tiled(F))
         gate_up_block<F, V, uint8_t, 2>(sh, xw_groups, q8act_bytes(hidden), nblocks, p.pair, p.tile);
       else
