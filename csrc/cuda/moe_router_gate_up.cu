@@ -26,6 +26,13 @@ namespace {
 // right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
 // return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
 // the whole row (17) 817.5, none 819.7, in one call. 0: none.
+// TM_RGU_SHARED_XW_SMEM=1 (a measurement knob, the same bits): the deferred shared blocks copy xw's int8 groups
+// (4 KB at hidden 2,048: one 16-byte load a thread) into shared memory before their dots, as the norm of x put h
+// there before v24, instead of every warp of the ~520 blocks streaming at once reading the same 4 KB through L1
+// and L2 (an H100 timeline of v24: the first wave of shared blocks streams 9.4 us a block, the later ones 5.5).
+#ifndef TM_RGU_SHARED_XW_SMEM
+#define TM_RGU_SHARED_XW_SMEM 0
+#endif
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
@@ -254,6 +261,17 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     gate_up_block<F, V, float, 0>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
     if constexpr (D) {  // the deferred norm: xw's groups (tiled rows) or floats, scaled by the inv of xss
+      if constexpr (fmt_tiled(F) && TM_RGU_SHARED_XW_SMEM) {
+        const int64_t bytes = q8act_bytes(hidden);
+        uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
+        const auto* src = reinterpret_cast<const uint4*>(xw_groups + p.pair * bytes);
+        for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(hq)[i] = src[i];
+        __syncthreads();
+        stamp(3);
+        gate_up_block<F, V, uint8_t, 2>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+        stamp_end();
+        return;
+      }
       stamp(3);  // its inputs are ready at once
       if constexpr (fmt_tiled(F))
         gate_up_block<F, V, uint8_t, 2>(sh, xw_groups, q8act_bytes(hidden), nblocks, p.pair, p.tile);
