@@ -29,7 +29,8 @@ namespace {
 // TM_RGU_SHARED_XW_SMEM=1 (a measurement knob, the same bits): the deferred shared blocks copy xw's int8 groups
 // (4 KB at hidden 2,048: one 16-byte load a thread) into shared memory before their dots, as the norm of x put h
 // there before v24, instead of every warp of the ~520 blocks streaming at once reading the same 4 KB through L1
-// and L2 (an H100 timeline of v24: the first wave of shared blocks streams 9.4 us a block, the later ones 5.5).
+// and L2 (an H100 timeline of v24: the first wave of shared blocks streams 9.4 us a block, the later ones 5.5);
+// =2 also copies the token's 2 KB of sums, which each warp otherwise reads from global memory before its dots.
 #ifndef TM_RGU_SHARED_XW_SMEM
 #define TM_RGU_SHARED_XW_SMEM 0
 #endif
@@ -266,9 +267,23 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
         const auto* src = reinterpret_cast<const uint4*>(xw_groups + p.pair * bytes);
         for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(hq)[i] = src[i];
+        // =2: the token's sums too, into h's unused floats (one 16-byte load a thread for 512 groups)
+        const int64_t groups = norm_groups(hidden);
+        const bool sums_copied = TM_RGU_SHARED_XW_SMEM == 2 && groups % 128 == 0;
+        if (sums_copied) {
+          const auto* ss = reinterpret_cast<const float4*>(sh.h_sums + p.pair * groups);
+          for (int64_t i = threadIdx.x; i < groups / 4; i += blockDim.x)
+            reinterpret_cast<float4*>(rg_smem)[i] = ss[i];
+        }
         __syncthreads();
         stamp(3);
-        gate_up_block<F, V, uint8_t, 2>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+        if (sums_copied) {
+          GateUpArgs a = sh;
+          a.h_sums = rg_smem - p.pair * groups;  // gate_up_block indexes the sums by the token
+          gate_up_block<F, V, uint8_t, 3>(a, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+        } else {
+          gate_up_block<F, V, uint8_t, 2>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
+        }
         stamp_end();
         return;
       }

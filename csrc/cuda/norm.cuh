@@ -180,6 +180,15 @@ __device__ __forceinline__ float lane_grouped_sum_ldg(const float* sums, int64_t
   for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, __ldg(p + k));
   return ss;
 }
+// The same from a copy of the sums in shared memory (plain loads; grouped_inv_vector_ok's shapes): the same bits.
+__device__ __forceinline__ float lane_grouped_sum_plain(const float* sums, int64_t dim) {
+  const int64_t quads = norm_lane_chunk(dim) / 4;
+  const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, p[k]);
+  return ss;
+}
 __device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
   return rms_inv_from_sum(warp_sum(lane_grouped_sum_ldg(sums, dim)), dim, eps);
 }
