@@ -187,7 +187,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     else
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
-    if constexpr (DN >= 2) {
+    if constexpr (DN == 2 || DN == 3) {
       const float inv = rms_inv_from_sum(warp_sum(lane_ss), a.h_dim, a.eps);
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);
