@@ -267,9 +267,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
         uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
         const auto* src = reinterpret_cast<const uint4*>(xw_groups + p.pair * bytes);
         for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(hq)[i] = src[i];
-        // =2: the token's sums too, into h's unused floats (one 16-byte load a thread for 512 groups)
+        // =2: the token's sums too, into h's unused floats (one 16-byte load a thread for 512 groups), where
+        // they are read as quads (norm.cuh's shapes)
         const int64_t groups = norm_groups(hidden);
-        const bool sums_copied = TM_RGU_SHARED_XW_SMEM == 2 && groups % 128 == 0;
+        const bool sums_copied = TM_RGU_SHARED_XW_SMEM == 2 && grouped_inv_vector_ok(sh.h_sums, hidden);
         if (sums_copied) {
           const auto* ss = reinterpret_cast<const float4*>(sh.h_sums + p.pair * groups);
           for (int64_t i = threadIdx.x; i < groups / 4; i += blockDim.x)
