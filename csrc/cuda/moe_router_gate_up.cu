@@ -37,6 +37,12 @@ namespace {
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
 #endif
+// TM_RGU_SHARED_L1_BEFORE_WAIT=1 (a measurement knob, the same bits): those L1 asks before pdl_wait instead, while
+// attn_output still runs (weights may be read then: common.cuh's protocol). Since v24 the deferred shared blocks
+// have no norm for the asks to overlap after the wait (results/NOTES.md lesson 197).
+#ifndef TM_RGU_SHARED_L1_BEFORE_WAIT
+#define TM_RGU_SHARED_L1_BEFORE_WAIT 0
+#endif
 
 // tm_router_experts_gate_up's per-token factors where it makes separate launches, one warp a token (lane 0
 // stores), each where its output is given: gate[t] = shared_gate(h[t]), and inv[t] = the deferred norm's inv of
@@ -243,6 +249,16 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     else if (e == ra.n_experts && ra.gate_inp != nullptr) prefetch_row_l2(ra.gate_inp, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
+#if TM_RGU_SHARED_L1_BEFORE_WAIT
+  if (shared_block) {
+    const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);
+    const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+    if (r < sh.ffn) {
+      prefetch_row_l1(sh.w_gate + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+      prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+    }
+  }
+#endif
   pdl_begin();
   stamp(1);
   if (shared_block) {
@@ -250,7 +266,11 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
+#if TM_RGU_SHARED_L1_BEFORE_WAIT
+    if constexpr (false) {
+#else
     if constexpr (TM_RGU_SHARED_L1_LINES > 0) {
+#endif
       const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
       if (r < sh.ffn) {
         prefetch_row_l1(sh.w_gate + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
