@@ -22,7 +22,7 @@
 # tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,
 # one pytest -k expression such as `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list
 # of names: those only), TUNING_BENCH_COMPARE (their --compare; default fused,graphs,torch),
-# TUNING_PROFILE=1 (and profile each benched one; 0 or unset: not), TUNING_PREFILL=name,... (and time those
+# TUNING_PROFILE=1 (and profile each benched one; or a comma list of names: those only; 0 or unset: not), TUNING_PREFILL=name,... (and time those
 # builds' prompt processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments,
 # default `-n 8`); TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be
 # built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
@@ -200,7 +200,8 @@ if want tuning; then  # the tuning builds' tiled kernels timed
         --compare "${TUNING_BENCH_COMPARE:-fused,graphs,torch}" --json "$OUT/bench_tune_$name.json" \
         > "$OUT/bench_tune_$name.log" 2>&1
       grep -E '^(fused|per-slot)' "$OUT/bench_tune_$name.log" | sed "s/^/$name: /"
-      if [ "${TUNING_PROFILE:-0}" != 0 ]; then  # the chain time per kernel kind, fused + graphs
+      prof=${TUNING_PROFILE:-0}  # the chain time per kernel kind, fused + graphs
+      if [ "$prof" = 1 ] || { [ "$prof" != 0 ] && [[ ",$prof," == *",$name,"* ]]; }; then
         tune_run "$name" 40 $CLI profile \
           --model "$MODEL" --device cuda -n 8 --variants fused,graphs --json "$OUT/profile_tune_$name.json" \
           > "$OUT/profile_tune_$name.log" 2>&1
