@@ -38,6 +38,7 @@ T = TypeVar("T")
 ROWS = 8192  # kTimelineRows in csrc/cuda/rgu_timeline.cuh
 # rgu_timeline.cuh's TimelineRow (48 bytes, static_assert there): the timer at the five events (ns), role, SM
 ROW = np.dtype([("t", "<u8", 5), ("role", "<u4"), ("sm", "<u4")])
+ROWS_PER_BLOCK = 8  # kRowsPerBlock in csrc/cuda/moe.cuh: a gate-up block's rows of gate and of up
 ROLES = ("router", "shared", "routed", "down")  # down: the experts_down launch after it
 EVENTS = ("start", "after_wait", "role_known", "inputs_ready", "end")
 # the down's blocks stamp their warps' dot products instead of a role and inputs (results/NOTES.md lesson 112)
@@ -70,8 +71,13 @@ def read_launch(fn: ctypes._CFuncPtr) -> np.ndarray:
     return rows[rows["t"][:, 0] > 0]
 
 
-def summarize(rows: np.ndarray) -> dict:
-    """Per role and event: min / median / max microseconds after the gate-up launch's first block started."""
+def summarize(rows: np.ndarray, block_bytes: int | None = None) -> dict:
+    """Per role and event: min / median / max microseconds after the gate-up launch's first block started.
+
+    With block_bytes (the weight bytes of one gate-up block), also the launch's weight stream each
+    microsecond: each shared and routed block's bytes spread evenly from its inputs to its end, summed over
+    the blocks (TB/s), which shows a phase of the launch streaming slower than another (results/NOTES.md
+    lesson 197)."""
     t = rows["t"].astype(np.int64)
     role = rows["role"].astype(np.int64)
     gate_up = role < 3
@@ -99,6 +105,14 @@ def summarize(rows: np.ndarray) -> dict:
     at = np.arange(0.0, out["span_us"], 1.0)
     out["occupancy"] = [[float(x), int(((g[:, 0] <= x) & (g[:, 4] > x)).sum()),
                          int(((g[:, 3] <= x) & (g[:, 4] > x)).sum())] for x in at]
+    if block_bytes:
+        streams = rel[(role == 1) | (role == 2)]
+        # a block without an inputs stamp (none at t = 0) streams from its wait
+        begin = np.where(t[(role == 1) | (role == 2), 3] > 0, streams[:, 3], streams[:, 1])
+        length = np.maximum(streams[:, 4] - begin, 1e-3)
+        out["weight_tb_s"] = [
+            [float(x), float((np.clip(np.minimum(streams[:, 4], x + 1) - np.maximum(begin, x), 0, None)
+                              / length).sum() * block_bytes / 1e6)] for x in at]
     topk = rel[role == 4]
     if len(topk):  # the publishing router block's top-k: poll start, logits in, softmax, picks, ids stored
         out["topk"] = [float(v) for v in topk[0]]
@@ -144,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     read = timeline_reader()
+    gate = load_model(args.model).layer(0)["ffn_gate_shexp"]
+    block_bytes = 2 * ROWS_PER_BLOCK * gate.data.shape[-1] if gate is not None else None
     rows = decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(read))
     raw = {f"step{step}": r for step, r in enumerate(rows)}
-    samples = [summarize(r) for r in rows]
+    samples = [summarize(r, block_bytes) for r in rows]
     print(f"router_experts_gate_up, the last layer's launch, {len(samples)} decode steps (median over steps "
           "of each figure; us after the launch's first block started: min / median / max over its blocks)")
     print(f"span {statistics.median(s['span_us'] for s in samples):.2f} us, "
@@ -175,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     occ = samples[-1]["occupancy"]
     print("  gate-up blocks resident / streaming each us (last step): " +
           " ".join(f"{x:.0f}:{r}/{st}" for x, r, st in occ))
+    if "weight_tb_s" in samples[-1]:
+        rate = [statistics.median(s["weight_tb_s"][i][1] for s in samples if i < len(s["weight_tb_s"]))
+                for i in range(len(samples[-1]["weight_tb_s"]))]
+        print("  gate-up weight stream each us, TB/s (median over steps): " +
+              " ".join(f"{i}:{r:.2f}" for i, r in enumerate(rate)))
     if "routed_started_before_the_ids" in samples[-1]:
         print(f"  routed blocks that had their ticket before the last router block ended: "
               f"{statistics.median(s['routed_started_before_the_ids'] for s in samples)}")

@@ -37,3 +37,24 @@ def test_summary_times_each_role_from_the_first_block() -> None:
     assert s["shared"]["blocks"] == 2 and s["shared"]["inputs_ready"] == pytest.approx([0.9, 0.925, 0.95])
     assert s["routed"]["waiting_us_median"] == pytest.approx((5.8 + 2.0) / 2)
     assert s["routed_started_before_the_ids"] == 2
+
+
+def test_weight_stream_spreads_each_blocks_bytes_over_its_streaming() -> None:
+    tl = load_script("rgu_timeline")
+    base = 5 * 10**12
+    # shared blocks stream 1.0 -> 3.0 us and (no inputs stamp: from its wait) 2.0 -> 4.0, a routed one 2.5 ->
+    # 3.5; a router block: its span counts, its bytes do not
+    blocks = [(1, [0, 500, 600, 1000, 3000]), (1, [0, 2000, 2000, None, 4000]),
+              (2, [100, 200, 300, 2500, 3500]), (0, [0, 100, 200, 300, 9000])]
+    rows = np.zeros(len(blocks), dtype=tl.ROW)
+    for i, (role, t) in enumerate(blocks):
+        rows[i]["t"] = [0 if x is None else base + x for x in t]
+        rows[i]["role"] = role
+    mb = 10**6  # a block's bytes: 1 MB, so that 1 MB in 1 us reads 1.0 TB/s
+    rate = dict(tl.summarize(rows, block_bytes=mb)["weight_tb_s"])
+    assert sorted(rate) == [float(x) for x in range(9)]
+    assert rate[0.0] == 0.0 and rate[1.0] == pytest.approx(0.5)
+    assert rate[2.0] == pytest.approx(0.5 + 0.5 + 0.5)  # both shared blocks and the routed one's first half
+    assert rate[3.0] == pytest.approx(0.5 + 0.5)  # the second shared block and the routed one's second half
+    assert sum(rate.values()) == pytest.approx(3.0)  # every block's bytes, once
+    assert "weight_tb_s" not in tl.summarize(rows)
