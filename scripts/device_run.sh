@@ -22,8 +22,9 @@
 # tests; or a comma list of names: those only; TUNING_PYTEST_ARGS, e.g. `-x`, split on spaces, and TUNING_PYTEST_K,
 # one pytest -k expression such as `prefill or down`, narrow them), TUNING_BENCH=1 (and bench each; or a comma list
 # of names: those only), TUNING_BENCH_COMPARE (their --compare; default fused,graphs,torch),
-# TUNING_PROFILE=1 (and profile each benched one; or a comma list of names: those only; 0 or unset: not), TUNING_PREFILL=name,... (and time those
-# builds' prompt processing, as the prefill stage does for this tree); PROFILE_ARGS (the profile stage's arguments,
+# TUNING_PROFILE=1 (and profile each benched one; or a comma list of names: those only; 0 or unset: not),
+# TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill stage does for this tree);
+# PROFILE_ARGS (the profile stage's arguments,
 # default `-n 8`); TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be
 # built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
 # FFN_TIMELINE=<name> (the same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with
