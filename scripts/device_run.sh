@@ -24,8 +24,9 @@
 # of names: those only), TUNING_BENCH_COMPARE (their --compare; default fused,graphs,torch),
 # TUNING_PROFILE=1 (and profile each benched one; or a comma list of names: those only; 0 or unset: not),
 # TUNING_PREFILL=name,... (and time those builds' prompt processing, as the prefill stage does for this tree);
-# PROFILE_ARGS (the profile stage's arguments, default `-n 8`); TIMELINE=<name> (with stage tuning: scripts/rgu_timeline.py on that tuning build, which must be
-# built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's per-block timeline in the decode chain);
+# PROFILE_ARGS (the profile stage's arguments, default `-n 8`); TIMELINE=<name> (with stage tuning:
+# scripts/rgu_timeline.py on that tuning build, which must be built with -DTM_RGU_TIMELINE=1: router_experts_gate_up's
+# per-block timeline in the decode chain);
 # FFN_TIMELINE=<name> (the same for router_experts_ffn, a comma list: scripts/ffn_timeline.py on each, built with
 # -DTM_FFN_TIMELINE=1); PROTO="file.cu ..." (stage proto: standalone CUDA benchmarks compiled against csrc/ and run,
 # e.g. a carried branch's .tune-<name>/scripts/proto/*.cu);
