@@ -106,9 +106,10 @@ def summarize(rows: np.ndarray, block_bytes: int | None = None) -> dict:
     out["occupancy"] = [[float(x), int(((g[:, 0] <= x) & (g[:, 4] > x)).sum()),
                          int(((g[:, 3] <= x) & (g[:, 4] > x)).sum())] for x in at]
     if block_bytes:
-        streams = rel[(role == 1) | (role == 2)]
+        streaming = (role == 1) | (role == 2)
+        streams = rel[streaming]
         # a block without an inputs stamp (none at t = 0) streams from its wait
-        begin = np.where(t[(role == 1) | (role == 2), 3] > 0, streams[:, 3], streams[:, 1])
+        begin = np.where(t[streaming, 3] > 0, streams[:, 3], streams[:, 1])
         length = np.maximum(streams[:, 4] - begin, 1e-3)
         out["weight_tb_s"] = [
             [float(x), float((np.clip(np.minimum(streams[:, 4], x + 1) - np.maximum(begin, x), 0, None)

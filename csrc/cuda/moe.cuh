@@ -180,7 +180,7 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const XT* xs[1] = {h + t * h_stride};
     float lane_ss = 0.0f;  // DN = 2: this lane's chunk of the sums, added before the dots
     if constexpr (DN == 2) lane_ss = lane_grouped_sum(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
-    if constexpr (DN == 3) lane_ss = lane_grouped_sum_plain(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
+    if constexpr (DN == 3) lane_ss = lane_grouped_sum_quads<true>(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
