@@ -161,7 +161,6 @@ __device__ __forceinline__ void store_block_act_groups(uint8_t* buf, uint32_t ti
 // dots and holding only that one float across them (the fused launch's shared blocks: on the H200 +3% decode
 // against the norm of x in every block, lesson 186; the sums held whole across the dots, 16 registers, measured
 // slower at this kernel's 64-register cap, lesson 182). The same inv either way: norm.cuh's (tm_rmsnorm_factors').
-// DN = 3: DN = 2 with a.h_sums in shared memory (a measurement knob's, TM_RGU_SHARED_XW_SMEM=2).
 template <Fmt F, bool V, class XT = float, int DN = 1>
 __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, int64_t h_stride,
                                               int64_t nblocks, uint32_t pair, uint32_t tile, int e_given = -1) {
@@ -180,14 +179,13 @@ __device__ __forceinline__ void gate_up_block(const GateUpArgs& a, const XT* h, 
     const XT* xs[1] = {h + t * h_stride};
     float lane_ss = 0.0f;  // DN = 2: this lane's chunk of the sums, added before the dots
     if constexpr (DN == 2) lane_ss = lane_grouped_sum(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
-    if constexpr (DN == 3) lane_ss = lane_grouped_sum_quads<true>(a.h_sums + t * norm_groups(a.h_dim), a.h_dim);
     float gu[2][1];
     if constexpr (std::is_same_v<XT, uint8_t>)
       warp_dot_q8act<F, 2, 1, true>(wr, xs, nblocks, gu);
     else
       warp_dot<F, 2, 1, true, V>(wr, xs, nblocks, gu);
     float g = gu[0][0], u = gu[1][0];
-    if constexpr (DN == 2 || DN == 3) {
+    if constexpr (DN == 2) {
       const float inv = rms_inv_from_sum(warp_sum(lane_ss), a.h_dim, a.eps);
       g = __fmul_rn(g, inv);
       u = __fmul_rn(u, inv);

@@ -23,25 +23,12 @@ namespace {
 #define TM_RGU_NORM_PROBE 0
 #endif
 // The shared blocks ask for the first TM_RGU_SHARED_L1_LINES 128-byte lines of each warp's gate and up rows in L1
-// right after pdl_wait, so that their DRAM round trip overlaps the norm of x: prefetches hold no register and
-// return nothing to the warp, unlike the loads of results/NOTES.md lesson 56. H200 (NOTES v8): 8 lines 826.0 tok/s,
-// the whole row (17) 817.5, none 819.7, in one call. 0: none.
-// TM_RGU_SHARED_XW_SMEM=1 (a measurement knob, the same bits): the deferred shared blocks copy xw's int8 groups
-// (4 KB at hidden 2,048: one 16-byte load a thread) into shared memory before their dots, as the norm of x put h
-// there before v24, instead of every warp of the ~520 blocks streaming at once reading the same 4 KB through L1
-// and L2 (an H100 timeline of v24: the first wave of shared blocks streams 9.4 us a block, the later ones 5.5);
-// =2 also copies the token's 2 KB of sums, which each warp otherwise reads from global memory before its dots.
-#ifndef TM_RGU_SHARED_XW_SMEM
-#define TM_RGU_SHARED_XW_SMEM 0
-#endif
+// right after pdl_wait: prefetches hold no register and return nothing to the warp, unlike the loads of
+// results/NOTES.md lesson 56. H200 (NOTES v8, when the asks overlapped each block's norm of x): 8 lines 826.0
+// tok/s, the whole row (17) 817.5, none 819.7, in one call. H100 since the deferred norm (lesson 199): none -1.0%,
+// the same asks before pdl_wait +0.5% (not kept). 0: none.
 #ifndef TM_RGU_SHARED_L1_LINES
 #define TM_RGU_SHARED_L1_LINES 8
-#endif
-// TM_RGU_SHARED_L1_BEFORE_WAIT=1 (a measurement knob, the same bits): those L1 asks before pdl_wait instead, while
-// attn_output still runs (weights may be read then: common.cuh's protocol). Since v24 the deferred shared blocks
-// have no norm for the asks to overlap after the wait (results/NOTES.md lesson 197).
-#ifndef TM_RGU_SHARED_L1_BEFORE_WAIT
-#define TM_RGU_SHARED_L1_BEFORE_WAIT 0
 #endif
 
 // tm_router_experts_gate_up's per-token factors where it makes separate launches, one warp a token (lane 0
@@ -258,8 +245,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     else if (e == ra.n_experts && ra.gate_inp != nullptr) prefetch_row_l2(ra.gate_inp, hidden * 4, lane);
     if (warp == 0) prefetch_row_l2(ra.norm_w, hidden * 4, lane);
   }
-  if (TM_RGU_SHARED_L1_BEFORE_WAIT && TM_RGU_SHARED_L1_LINES > 0 && shared_block)
-    ask_shared_rows_l1(sh, experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks).tile, warp, lane);
   pdl_begin();
   stamp(1);
   if (shared_block) {
@@ -267,39 +252,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
-    if constexpr (TM_RGU_SHARED_L1_LINES > 0 && !TM_RGU_SHARED_L1_BEFORE_WAIT)
-      ask_shared_rows_l1(sh, p.tile, warp, lane);
+    if constexpr (TM_RGU_SHARED_L1_LINES > 0) ask_shared_rows_l1(sh, p.tile, warp, lane);
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V, float, 0>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
 #else
     if constexpr (D) {  // the deferred norm: xw's groups (tiled rows) or floats, scaled by the inv of xss
-      if constexpr (fmt_tiled(F) && TM_RGU_SHARED_XW_SMEM) {
-        const int64_t bytes = q8act_bytes(hidden);
-        uint8_t* hq = reinterpret_cast<uint8_t*>(rg_smem) + router_q8_offset(hidden, ra.top_k);
-        const auto* src = reinterpret_cast<const uint4*>(xw_groups + p.pair * bytes);
-        for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(hq)[i] = src[i];
-        // =2: the token's sums too, into h's unused floats (one 16-byte load a thread for 512 groups), where
-        // they are read as quads (norm.cuh's shapes)
-        const int64_t groups = norm_groups(hidden);
-        const bool sums_copied = TM_RGU_SHARED_XW_SMEM == 2 && grouped_inv_vector_ok(sh.h_sums, hidden);
-        if (sums_copied) {
-          const auto* ss = reinterpret_cast<const float4*>(sh.h_sums + p.pair * groups);
-          for (int64_t i = threadIdx.x; i < groups / 4; i += blockDim.x)
-            reinterpret_cast<float4*>(rg_smem)[i] = ss[i];
-        }
-        __syncthreads();
-        stamp(3);
-        if (sums_copied) {
-          GateUpArgs a = sh;
-          a.h_sums = rg_smem - p.pair * groups;  // gate_up_block indexes the sums by the token
-          gate_up_block<F, V, uint8_t, 3>(a, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
-        } else {
-          gate_up_block<F, V, uint8_t, 2>(sh, static_cast<const uint8_t*>(hq), 0, nblocks, p.pair, p.tile);
-        }
-        stamp_end();
-        return;
-      }
       stamp(3);  // its inputs are ready at once
       if constexpr (fmt_tiled(F))
         gate_up_block<F, V, uint8_t, 2>(sh, xw_groups, q8act_bytes(hidden), nblocks, p.pair, p.tile);

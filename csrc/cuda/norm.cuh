@@ -172,15 +172,13 @@ __device__ __forceinline__ float add_quad(float ss, float4 v) {
 }
 // A lane's part of it (its chunk's sum, in order), so that a caller may add its chunk before its dot products and
 // hold one register across them instead of the chunk's 16 (results/NOTES.md lesson 184). In quads
-// (grouped_inv_vector_ok's shapes), read through the read-only path, or with SHARED from a copy in shared memory
-// (plain loads): the same bits either way.
-template <bool SHARED = false>
+// (grouped_inv_vector_ok's shapes), read through the read-only path.
 __device__ __forceinline__ float lane_grouped_sum_quads(const float* sums, int64_t dim) {
   const int64_t quads = norm_lane_chunk(dim) / 4;
   const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
   float ss = 0.0f;
 #pragma unroll 4
-  for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, SHARED ? p[k] : __ldg(p + k));
+  for (int64_t k = 0; k < quads; ++k) ss = add_quad(ss, __ldg(p + k));
   return ss;
 }
 __device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
