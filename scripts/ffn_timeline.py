@@ -27,6 +27,7 @@ import torch
 from rgu_timeline import decode_step_parser, decode_step_stamps, timeline_reader
 
 from tornado_moe.kernels import ops as K
+from tornado_moe.model.gguf_model import load_model
 from tornado_moe.tools.run_info import run_info
 
 MAX_BLOCKS = 1024  # TM_FFN_MAX_BLOCKS
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("needs a CUDA GPU")
     fn = timeline_reader("ffn")
     K.set_ffn_one_launch(True)  # the persistent launch is opt-in (the timeline is of that launch)
-    samples = [summarize(r) for r in
-               decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(fn))]
+    rows = decode_step_stamps(load_model(args.model), args.prompt_tokens, args.steps, lambda: read_launch(fn))
+    samples = [summarize(r) for r in rows]
     print(f"router_experts_ffn, the last layer's launch, {len(samples)} decode steps: us after its first "
           "block started, min / median / max over blocks (median over steps)")
     for ev in EVENTS:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tornado_moe.engine import Engine, EngineOptions
-from tornado_moe.model.gguf_model import load_model
+from tornado_moe.model.gguf_model import GGUFModel, load_model
 from tornado_moe.native import native_dir
 from tornado_moe.tools.run_info import run_info
 
@@ -123,10 +123,10 @@ def summarize(rows: np.ndarray, block_bytes: int | None = None) -> dict:
     return out
 
 
-def decode_step_stamps(model: str, prompt_tokens: int, steps: int, read: Callable[[], T]) -> list[T]:
+def decode_step_stamps(model: GGUFModel, prompt_tokens: int, steps: int, read: Callable[[], T]) -> list[T]:
     """Feeds a prompt of token ids 1..prompt_tokens (fused, CUDA graph), clears the stamps (read() once), then
     returns read() after each of `steps` decode steps: what a measurement build stamped in that step."""
-    engine = Engine(load_model(model), EngineOptions(device="cuda", cuda_graphs=True))
+    engine = Engine(model, EngineOptions(device="cuda", cuda_graphs=True))
     try:
         for tok in range(1, prompt_tokens + 1):
             engine.feed(tok)
@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     read = timeline_reader()
-    gate = load_model(args.model).layer(0)["ffn_gate_shexp"]
+    model = load_model(args.model)
+    gate = model.layer(0)["ffn_gate_shexp"]
     block_bytes = 2 * ROWS_PER_BLOCK * gate.data.shape[-1] if gate is not None else None
-    rows = decode_step_stamps(args.model, args.prompt_tokens, args.steps, lambda: read_launch(read))
+    rows = decode_step_stamps(model, args.prompt_tokens, args.steps, lambda: read_launch(read))
     raw = {f"step{step}": r for step, r in enumerate(rows)}
     samples = [summarize(r, block_bytes) for r in rows]
     print(f"router_experts_gate_up, the last layer's launch, {len(samples)} decode steps (median over steps "

@@ -214,15 +214,6 @@ __device__ __forceinline__ uint32_t routed_wait(const RouterSync& sy, uint32_t t
   return s_ids;
 }
 
-// A shared block's L1 asks: the first TM_RGU_SHARED_L1_LINES lines of each warp's gate and up rows.
-__device__ __forceinline__ void ask_shared_rows_l1(const GateUpArgs& sh, uint32_t tile, int warp, int lane) {
-  const int64_t r = static_cast<int64_t>(tile) * kRowsPerBlock + warp;
-  if (r < sh.ffn) {
-    prefetch_row_l1(sh.w_gate + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
-    prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
-  }
-}
-
 template <Fmt F, bool V, bool D>
 __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     router_experts_gate_up_kernel(const RouterArgs ra, int router_mode, const GateUpArgs sh, const GateUpArgs rt,
@@ -252,7 +243,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32, gate_up_min_blocks(F))
     stamp(2);
     const PairTile p = experts_gate_up_tile(sh, rt, n_tokens, blockIdx.x - router_blocks);  // p.pair: the token
     float* hbuf = rg_smem;
-    if constexpr (TM_RGU_SHARED_L1_LINES > 0) ask_shared_rows_l1(sh, p.tile, warp, lane);
+    if constexpr (TM_RGU_SHARED_L1_LINES > 0) {
+      const int64_t r = static_cast<int64_t>(p.tile) * kRowsPerBlock + warp;
+      if (r < sh.ffn) {
+        prefetch_row_l1(sh.w_gate + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+        prefetch_row_l1(sh.w_up + r * sh.row_bytes, sh.row_bytes, TM_RGU_SHARED_L1_LINES, lane);
+      }
+    }
 #if TM_RGU_NORM_PROBE  // timing only: x in place of h (wrong results)
     (void)hbuf;
     gate_up_block<F, V, float, 0>(sh, ra.x, hidden, nblocks, p.pair, p.tile);
