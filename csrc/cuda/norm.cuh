@@ -171,9 +171,8 @@ __device__ __forceinline__ float add_quad(float ss, float4 v) {
   return __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(ss, v.x), v.y), v.z), v.w);
 }
 // A lane's part of it (its chunk's sum, in order), so that a caller may add its chunk before its dot products and
-// hold one register across them instead of the chunk's 16 (results/NOTES.md lesson 184). In quads
-// (grouped_inv_vector_ok's shapes), read through the read-only path.
-__device__ __forceinline__ float lane_grouped_sum_quads(const float* sums, int64_t dim) {
+// hold one register across them instead of the chunk's 16 (results/NOTES.md lesson 184).
+__device__ __forceinline__ float lane_grouped_sum_ldg(const float* sums, int64_t dim) {
   const int64_t quads = norm_lane_chunk(dim) / 4;
   const float4* p = reinterpret_cast<const float4*>(sums) + (threadIdx.x & 31) * quads;
   float ss = 0.0f;
@@ -182,11 +181,11 @@ __device__ __forceinline__ float lane_grouped_sum_quads(const float* sums, int64
   return ss;
 }
 __device__ __forceinline__ float warp_grouped_inv_ldg(const float* sums, int64_t dim, float eps) {
-  return rms_inv_from_sum(warp_sum(lane_grouped_sum_quads(sums, dim)), dim, eps);
+  return rms_inv_from_sum(warp_sum(lane_grouped_sum_ldg(sums, dim)), dim, eps);
 }
 // A lane's chunk sum from sums in global memory of any alignment and length (the same order: the same bits).
 __device__ __forceinline__ float lane_grouped_sum(const float* sums, int64_t dim) {
-  if (grouped_inv_vector_ok(sums, dim)) return lane_grouped_sum_quads(sums, dim);
+  if (grouped_inv_vector_ok(sums, dim)) return lane_grouped_sum_ldg(sums, dim);
   const int64_t groups = norm_groups(dim), chunk = norm_lane_chunk(dim);
   const int64_t g0 = (threadIdx.x & 31) * chunk, g1 = g0 + chunk < groups ? g0 + chunk : groups;
   float ss = 0.0f;
