@@ -11,7 +11,8 @@
 # then take the commit from it, and a TORNADO_MOE_GIT_COMMIT that disagrees with it ends the call before any work, so
 # that no result carries a mistyped commit), BASELINE_COMMIT (its name in the reports), STAGES (default: every stage),
 # BUDGET_S;
-# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2); tuning: TUNING="name:nvcc flags;..." (this
+# HOT_KERNELS=1 (also time the tiled kernels with their weights in L2), KB_LAYOUTS (the kernels stage's layouts,
+# default `tiled gguf`); tuning: TUNING="name:nvcc flags;..." (this
 # tree rebuilt per entry, or the carried tree .tune-<name> where there is one: a branch measured beside this tree,
 # e.g. `git archive <branch> | tar -x -C .tune-<name>`, or, lighter to carry, `scripts/tune_tar.sh <name>
 # <commit>`: that commit's files that differ from this tree's, laid over a copy of this tree; with empty flags,
@@ -155,7 +156,7 @@ if want proto; then  # standalone benchmarks: nvcc against this tree's headers (
 fi
 if want kernels; then
   stamp "kernel microbenchmarks (this tree: tiled and GGUF-layout Q8_0 rows; baseline)"
-  for layout in tiled gguf; do
+  for layout in ${KB_LAYOUTS:-tiled gguf}; do
     timeout -k 10 "$(left 60)" $PY scripts/kernel_bench.py --label "new-$layout" --layout $layout ${KB_ARGS:-} \
       --json "$OUT/kernels_$layout.json" | tee "$OUT/kernels_$layout.log"
   done
