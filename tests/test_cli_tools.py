@@ -256,15 +256,68 @@ def test_profile_launch_counts_bytes_json_and_png(tiny_model_path: Path, tiny, t
         kinds = {b["kind"] for b in v["by_kind"]}
         assert ("router_experts_ffn" in kinds) == fused
         assert ("routed_expert_gate_up" in kinds) != fused
+        target = v["bandwidth_target"]  # the defaults: 70% from 10 MB a launch, above every tiny launch
+        assert target["fraction"] == 0.7 and target["min_bytes_per_launch"] == 10e6
+        assert target["judged"] is False and target["kinds"] == [] and target["all_meet"] is None
+    assert "not judged" not in out and "against 70% of copy by chain time: none" in out
 
 
-@pytest.mark.parametrize("variants,frags", [("graphs", ["graphs", "cuda"]), ("fused,bogus", ["bogus"])])
-def test_profile_bad_variants(variants: str, frags: list[str], tiny_model_path: Path,
-                              capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", "--variants",
-                         variants)
+@pytest.mark.parametrize("argv,frags", [
+    (["--variants", "graphs"], ["graphs", "cuda"]), (["--variants", "fused,bogus"], ["bogus"]),
+    (["--check-bandwidth"], ["--check-bandwidth", "CUDA"]),
+])
+def test_profile_bad_input(argv: list[str], frags: list[str], tiny_model_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", *argv)
     assert rc == 2
     assert_error_line(err, "profile", *frags)
+
+
+@pytest.mark.parametrize("argv,frags", [
+    (["--bandwidth-target", "101"], ["--bandwidth-target", "percentage", "101"]),
+    (["--bandwidth-target", "nan"], ["--bandwidth-target", "percentage", "nan"]),
+    (["--large-mb", "-1"], ["--large-mb", ">= 0"]), (["--large-mb", "inf"], ["--large-mb", "finite"]),
+    (["--large-mb", "ten"], ["--large-mb", "'ten'"]),
+])
+def test_profile_refuses_bad_targets(argv: list[str], frags: list[str], tiny_model_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as bad:  # argparse refuses them before anything loads
+        run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", *argv)
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and all(f in err for f in frags), err
+
+
+def _kind(kind: str, launches: float, mb_per_launch: float, chain_fraction: float | None) -> dict:
+    return {"kind": kind, "launches": launches, "bytes": launches * mb_per_launch * 1e6,
+            "chain_fraction_of_copy_bandwidth": chain_fraction}
+
+
+def test_bandwidth_targets_judge_large_launches_by_chain_rate() -> None:
+    from tornado_moe.tools.profile import _format_targets, bandwidth_targets, below_bandwidth_target
+
+    # Qwen1.5-MoE-like kinds: the output projection reads 107 MB a token, but 4.5 MB a launch
+    by_kind = [_kind("attn_qkv", 24, 13.4, 0.617), _kind("attn_output", 24, 4.48, 0.10),
+               _kind("router_experts_gate_up", 24, 49.6, 0.70), _kind("output", 1, 331.2, 0.89),
+               _kind("hidden", 24, 12.0, None), _kind("none", 0, 0.0, None)]
+    graphs = {"variant": "fused/graphs/torch", "cuda_graphs": True, "chain_us_per_token": 1000.0,
+              "by_kind": by_kind}
+    t = bandwidth_targets(graphs, 0.7, 10e6)
+    assert [(r["kind"], r["meets"]) for r in t["kinds"]] == [
+        ("attn_qkv", False), ("router_experts_gate_up", True), ("output", True), ("hidden", None)]
+    assert t["kinds"][0]["bytes_per_launch"] == pytest.approx(13.4e6) and t["judged"] is True
+    assert t["all_meet"] is False
+    assert bandwidth_targets(graphs, 0.6, 10e6)["all_meet"] is True
+    lower = bandwidth_targets(graphs, 0.7, 4e6)["kinds"]
+    assert [r["kind"] for r in lower][:2] == ["attn_qkv", "attn_output"]
+    line = _format_targets(t)
+    assert "against 70% of copy" in line and "attn_qkv 13.4 MB 61.7% BELOW" in line
+    assert "router_experts_gate_up 49.6 MB 70.0% meets" in line and "hidden 12.0 MB -% no chain time" in line
+    eager = {**graphs, "variant": "fused/eager/torch", "cuda_graphs": False}
+    e = bandwidth_targets(eager, 0.7, 10e6)  # eager chains wait on the host: listed, not judged
+    assert e["judged"] is False and e["all_meet"] is None and all(r["meets"] is None for r in e["kinds"])
+    assert "not judged" in _format_targets(e)
+    report = {"variants": [{**graphs, "bandwidth_target": t}, {**eager, "bandwidth_target": e}]}
+    assert below_bandwidth_target(report) == ["fused/graphs/torch: attn_qkv"]
 
 
 # ---- bench ----------------------------------------------------------------------------------------------
@@ -408,8 +461,10 @@ def test_step_gaps_measure_idle_time_between_whole_steps() -> None:
 def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_path: Path, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     js = tmp_path / "p.json"
+    # every kind judged (from 0 MB a launch) against 0%: --check-bandwidth passes unless a verdict is wrong
     rc, out, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cuda", "-n", "4",
-                           "--variants", "fused,per-slot,eager,graphs", "--json", str(js))
+                           "--variants", "fused,per-slot,eager,graphs", "--json", str(js), "--large-mb", "0",
+                           "--bandwidth-target", "0", "--check-bandwidth")
     assert rc == 0, out + err
     report = json.loads(js.read_text())
     assert report["gpu_name"] == torch.cuda.get_device_name()
@@ -431,6 +486,11 @@ def test_gpu_profile_torch_profiler_counts_agree_eager_and_graphs(tiny_model_pat
                     row["chain_gb_s"] / report["copy_bandwidth_gb_s"])
             else:
                 assert row["chain_gb_s"] is None and row["chain_fraction_of_copy_bandwidth"] is None
+        target = v["bandwidth_target"]
+        assert target["judged"] is v["cuda_graphs"] and len(target["kinds"]) == len(v["by_kind"])
+        for r, k in zip(target["kinds"], v["by_kind"], strict=True):
+            timed = v["cuda_graphs"] and k["chain_fraction_of_copy_bandwidth"] is not None
+            assert r["meets"] is (True if timed else None)
         gap = v["step_gap_us"]  # -n 4: 3 decode steps, 2 boundaries
         assert gap["decode_steps"] == 3 and 0 <= gap["median_us"] <= gap["max_us"]
         assert gap["copy_us_per_step"] > 0  # the token read back after each step

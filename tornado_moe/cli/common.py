@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,25 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 positive_int = _int_at_least(1, "a positive integer")
 #: argparse type: an integer >= 0.
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _float_in(low: float, high: float, what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= v <= high:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return v
+
+    return parse
+
+
+#: argparse type: a percentage, 0 to 100.
+percent = _float_in(0.0, 100.0, "a percentage from 0 to 100")
+#: argparse type: a finite number >= 0.
+non_negative_float = _float_in(0.0, sys.float_info.max, "a finite number >= 0")
 
 
 def _positive_int_list(text: str) -> list[int]:

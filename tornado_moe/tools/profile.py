@@ -54,6 +54,8 @@ __all__ = [
     "chain_times",
     "profile_variant",
     "profile_model",
+    "bandwidth_targets",
+    "below_bandwidth_target",
     "format_report",
     "plot_report",
 ]
@@ -489,6 +491,37 @@ def profile_model(model: Any, variants: Sequence[Variant], device: torch.device,
             "repeats": repeats, "variants": out}
 
 
+def bandwidth_targets(variant: dict[str, Any], fraction: float, min_bytes_per_launch: float
+                      ) -> dict[str, Any]:
+    """Each task kind of ``variant`` whose launches read at least ``min_bytes_per_launch`` on average, judged
+    by its chain rate against ``fraction`` of the copy bandwidth (the decode-speed target: every kernel that
+    reads >= 10 MB at >= 70% of copy). The chain rate, not the kernel-time rate: under programmatic dependent
+    launch a kernel's duration includes the wait for its predecessor, and only the chain says how much later
+    the step ends because of it. Small kinds (norms, router, the output projection) are left out: their
+    latency, not their rate, is what counts. ``meets`` is None where no chain time exists (CPU) and for eager
+    variants, whose traced steps wait on the host; ``all_meet`` is None when no kind was judged."""
+    judged = bool(variant.get("cuda_graphs")) and variant.get("chain_us_per_token") is not None
+    kinds = []
+    for k in variant["by_kind"]:
+        per_launch = k["bytes"] / k["launches"] if k["launches"] else 0.0
+        if per_launch < min_bytes_per_launch:
+            continue
+        chain = k["chain_fraction_of_copy_bandwidth"]
+        kinds.append({"kind": k["kind"], "bytes_per_launch": per_launch,
+                      "chain_fraction_of_copy_bandwidth": chain,
+                      "meets": chain >= fraction if judged and chain is not None else None})
+    verdicts = [r["meets"] for r in kinds if r["meets"] is not None]
+    return {"fraction": fraction, "min_bytes_per_launch": min_bytes_per_launch, "judged": judged,
+            "kinds": kinds, "all_meet": all(verdicts) if verdicts else None}
+
+
+def below_bandwidth_target(report: dict[str, Any]) -> list[str]:
+    """``variant: kind`` for every judged kind below its variant's target (the report's ``bandwidth_target``
+    entries, as :func:`bandwidth_targets` wrote them)."""
+    return [f"{v['variant']}: {r['kind']}" for v in report["variants"]
+            for r in v.get("bandwidth_target", {}).get("kinds", []) if r["meets"] is False]
+
+
 # ---- output -----------------------------------------------------------------------------------------------
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -530,7 +563,26 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{_fmt(k['chain_us'], '9.1f'):>9} {k['bytes'] / 1e6:>10.4f} "
                          f"{_fmt(k['gb_s'], '9.1f'):>9} {_fmt(frac and 100 * frac, '7.1f'):>7} "
                          f"{_fmt(chain_frac and 100 * chain_frac, '8.1f'):>8}")
+        if "bandwidth_target" in v:
+            lines.append(_format_targets(v["bandwidth_target"]))
     return "\n".join(lines)
+
+
+def _format_targets(t: dict[str, Any]) -> str:
+    """One line: the large kinds' chain rates against the target, or why they were not judged."""
+    head = (f"   kinds reading >= {t['min_bytes_per_launch'] / 1e6:g} MB a launch against "
+            f"{100 * t['fraction']:g}% of copy by chain time:")
+    if not t["kinds"]:
+        return f"{head} none"
+    if not t["judged"]:
+        return f"{head} not judged (chain times are the CUDA-graph variants' on a GPU)"
+    verdict = {True: "meets", False: "BELOW", None: "no chain time"}
+    def pct(f: float | None) -> str:
+        return _fmt(f and 100 * f, ".1f")
+
+    parts = [f"{r['kind']} {r['bytes_per_launch'] / 1e6:.1f} MB "
+             f"{pct(r['chain_fraction_of_copy_bandwidth'])}% {verdict[r['meets']]}" for r in t["kinds"]]
+    return f"{head} {', '.join(parts)}"
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> Path:
