@@ -325,7 +325,9 @@ def test_bandwidth_targets_judge_large_launches_by_chain_rate() -> None:
 BENCH_VARIANT_KEYS = {"variant": str, "decode_tok_s_median": float, "decode_tok_s_runs": list,
                       "prefill_tok_s_median": float, "launches_per_token": int, "decode_tok_s_min": float,
                       "decode_tok_s_max": float, "decode_tok_s_stdev": float, "fuse_experts": bool,
-                      "cuda_graphs": bool, "route": str, "steps_per_graph": int, "prefill_chunk": int}
+                      "cuda_graphs": bool, "route": str, "steps_per_graph": int, "prefill_chunk": int,
+                      "decode_bytes_per_token": float, "decode_floor_us_per_token": float,
+                      "decode_fraction_of_floor": float}
 
 
 def bench_report(capsys: pytest.CaptureFixture[str], model: Path, tmp_path: Path, *argv: str
@@ -354,7 +356,25 @@ def test_bench_json_schema(tiny_model_path: Path, tiny, tmp_path: Path, capsys: 
         assert v["decode_tok_s_min"] <= v["decode_tok_s_median"] <= v["decode_tok_s_max"]
         engine = Engine(tiny, EngineOptions(device="cpu", fuse_experts=v["fuse_experts"]))
         assert v["launches_per_token"] == engine.launches_per_token
-    assert "decode tok/s" in out
+        # the floor: the step's bytes at the run's copy bandwidth, and the median decode against it
+        assert v["decode_floor_us_per_token"] == pytest.approx(
+            v["decode_bytes_per_token"] / (report["copy_bandwidth_gb_s"] * 1e3))
+        assert v["decode_fraction_of_floor"] == pytest.approx(
+            v["decode_floor_us_per_token"] * v["decode_tok_s_median"] / 1e6)
+    assert "decode tok/s" in out and "% floor" in out
+    # the step's bytes are profile's: the same plan and byte model, attention's KV rows aside (bench: the mean
+    # decode position 5 + 4 / 2; profile, the prompt fed token by token: (steps + 1) / 2 over its 8 steps)
+    js = tmp_path / "p.json"
+    rc, _, err = run_cli(capsys, "profile", "--model", str(tiny_model_path), "--device", "cpu", "-n", "4",
+                         "--prompt-tokens", "5", "--variants", "fused,per-slot", "--repeats", "1", "--json",
+                         str(js))
+    assert rc == 0, err
+    cfg = tiny.config
+    kv_row = 2 * 4 * cfg.n_kv_heads * cfg.head_dim  # a K and a V row, float32
+    for b, p in zip(report["variants"], json.loads(js.read_text())["variants"], strict=True):
+        assert b["variant"] == p["variant"]
+        assert b["decode_bytes_per_token"] - p["bytes_per_token"] == pytest.approx(
+            cfg.n_layers * kv_row * (7 - 4.5))
 
 
 def test_bench_compares_batched_and_per_token_prefill(tiny_model_path: Path, tmp_path: Path,

@@ -30,13 +30,18 @@ examples:
   tornado-moe bench --preset qwen1.5-moe-a2.7b --compare fused,per-slot,eager,graphs --json bench.json
   tornado-moe bench --model tiny.gguf --device cpu -n 16 --repeats 3
 
+% floor: the median decode speed against the bandwidth floor, the bytes one decode step moves (the weights,
+of the routed experts only the selected ones' share, and the activations; as `tornado-moe profile` counts
+them) at this machine's copy bandwidth (read + write of a large device copy, measured at the run's start).
+
 JSON: {command, date, git_commit, device, gpu_name, model, torch_version, prompt_tokens, max_tokens,
-       repeats, warmup, tokens_identical_across_variants,
+       repeats, warmup, copy_bandwidth_gb_s, tokens_identical_across_variants,
        variants: [{variant, fuse_experts, cuda_graphs, route, tile_weights, steps_per_graph,
                    prefill_chunk, decode_tok_s_median,
                    decode_tok_s_min, decode_tok_s_max, decode_tok_s_stdev, decode_tok_s_runs,
                    decode_ms_per_token_median, prefill_tok_s_median, prefill_tok_s_min, prefill_tok_s_max,
-                   prefill_tok_s_runs, launches_per_token, tokens_sha256, tokens_identical_across_repeats}]}
+                   prefill_tok_s_runs, launches_per_token, decode_bytes_per_token, decode_floor_us_per_token,
+                   decode_fraction_of_floor, tokens_sha256, tokens_identical_across_repeats}]}
 """
 
 
